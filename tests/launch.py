@@ -1,0 +1,91 @@
+"""Run a course script the way a learner does (`torchrun --nproc_per_node=N script.py ...`) from a test.
+
+Every launch has a timeout: a hung collective fails the test with the script's output instead of
+hanging the suite. The script's metrics JSON (--metrics-out) comes back as a dict.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Run:
+    command: list
+    returncode: int
+    output: str  # stdout and stderr together, as a learner sees them
+    metrics: dict | None
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.output.splitlines()[-lines:])
+
+    def check(self) -> "Run":
+        """Fail with the command and the output's tail unless the run succeeded."""
+        assert self.returncode == 0, (
+            f"`{' '.join(map(str, self.command))}` exited {self.returncode}. Its last lines:\n{self.tail()}"
+        )
+        return self
+
+
+def course_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",  # one thread per process: 2 cores shared by up to 8 ranks
+        PYTHONUNBUFFERED="1",
+        COURSE_TIMEOUT_S=env.get("COURSE_TIMEOUT_S", "60"),
+        WANDB_MODE="offline",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+    )
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def torchrun(script, nproc: int, args=(), *, tmp_path=None, timeout: float = 180, env=None) -> Run:
+    """Launch `script` with `nproc` processes on this machine; pass --metrics-out if tmp_path is given."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc_per_node={nproc}",
+        str(script), *map(str, args),
+    ]  # fmt: skip
+    metrics_path = None
+    if tmp_path is not None:
+        metrics_path = Path(tmp_path) / f"metrics-{Path(script).stem}-{nproc}.json"
+        metrics_path.unlink(missing_ok=True)
+        command += ["--metrics-out", str(metrics_path)]
+    return _run(command, timeout, env or course_env(), metrics_path)
+
+
+def python(script, args=(), *, tmp_path=None, timeout: float = 120, env=None) -> Run:
+    """Run `script` as a plain `python script.py` (a world of one, no torchrun)."""
+    command = [sys.executable, str(script), *map(str, args)]
+    metrics_path = None
+    if tmp_path is not None:
+        metrics_path = Path(tmp_path) / f"metrics-{Path(script).stem}-python.json"
+        command += ["--metrics-out", str(metrics_path)]
+    return _run(command, timeout, env or course_env(), metrics_path)
+
+
+def _run(command, timeout, env, metrics_path) -> Run:
+    # A session of its own, so that a timeout kills torchrun and every rank it started.
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        tail = "\n".join(output.splitlines()[-40:])
+        raise AssertionError(f"`{' '.join(command)}` did not finish within {timeout} s. Its last lines:\n{tail}")
+    metrics = None
+    if metrics_path is not None and process.returncode == 0 and metrics_path.exists():
+        metrics = json.loads(metrics_path.read_text())
+    return Run(command, process.returncode, output, metrics)

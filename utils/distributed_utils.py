@@ -1,0 +1,242 @@
+"""The few functions every lesson uses to start, talk and stop as one distributed job.
+
+    local_rank, rank, device, world_size = setup(seed=0)
+    print0("only rank 0 prints this")
+    ...
+    destroy_process_group()
+
+`setup()` works the same under `torchrun`, under `srun` without torchrun (it reads SLURM_*), and
+as a plain `python script.py` (a world of one). It picks NCCL and a CUDA device where GPUs exist,
+gloo and the CPU otherwise, so the lessons run unchanged on a laptop and on the cluster.
+"""
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+# A collective that waits longer than this is a bug (a rank crashed, a rank skipped a collective,
+# the world size is wrong): fail with a message instead of hanging forever. COURSE_TIMEOUT_S overrides.
+DEFAULT_TIMEOUT_S = 60
+
+
+class CourseError(RuntimeError):
+    """A mistake the learner can fix; `run_main` prints it as one line, without a traceback."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Start-up
+# --------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launcher_environment() -> tuple[int, int, int]:
+    """(local_rank, rank, world_size) from torchrun, from srun, or a world of one.
+
+    torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT. srun alone sets SLURM_PROCID,
+    SLURM_NTASKS and SLURM_LOCALID, and we derive the rendezvous address from the node list.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        if "MASTER_ADDR" not in os.environ:
+            nodes = subprocess.run(
+                ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+            os.environ["MASTER_ADDR"] = nodes[0]
+        os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 20000))
+        return int(os.environ["SLURM_LOCALID"]), int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    # Plain `python script.py`: a world of one on this machine.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    return 0, 0, 1
+
+
+def setup(seed: int = 0, timeout_s: float | None = None) -> tuple[int, int, torch.device, int]:
+    """Join the job's process group and return (local_rank, rank, device, world_size).
+
+    Seeds torch with `seed + rank`, so each rank draws different random numbers (data order,
+    dropout). Build models from their own seed (see utils.model) so every rank starts identical.
+    """
+    local_rank, rank, world_size = _launcher_environment()
+    if torch.cuda.is_available():
+        backend, device = "nccl", torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    timeout_s = timeout_s or float(os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+                device_id=device if backend == "nccl" else None,
+            )
+        except (dist.DistStoreError, RuntimeError) as error:
+            raise CourseError(
+                f"rank {rank}: only some of the {world_size} processes joined within {timeout_s:.0f} s "
+                f"at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} ({type(error).__name__}). "
+                "Check that --nproc_per_node x --nnodes matches the processes you started, "
+                "and that every node can reach MASTER_ADDR."
+            ) from error
+    _root_cache.cache_clear()
+    torch.manual_seed(seed + rank)
+    return local_rank, rank, device, world_size
+
+
+def require_world_size(world_size: int, *, divisible_by: int = 1, at_least: int = 1, why: str = ""):
+    """Stop with a clear message when a lesson cannot run at this world size."""
+    if world_size < at_least or world_size % divisible_by:
+        need = f"at least {at_least}" + (f" and a multiple of {divisible_by}" if divisible_by > 1 else "")
+        raise CourseError(
+            f"this script needs a world size of {need}{' (' + why + ')' if why else ''}, "
+            f"but it runs with {world_size}. Launch it with e.g. "
+            f"`torchrun --nproc_per_node={max(at_least, divisible_by)} {Path(sys.argv[0]).name}`."
+        )
+
+
+def run_main(main, *args, **kwargs):
+    """Call `main`; a CourseError or an unfinished TODO becomes one line on stderr and exit code 2.
+
+    In an exercise, each unfinished TODO is `raise NotImplementedError("TODO n: ...")`; all ranks
+    reach it together, so the job stops at once instead of hanging in a collective.
+    """
+    try:
+        return main(*args, **kwargs)
+    except CourseError as error:
+        message = str(error)
+    except NotImplementedError as error:
+        if not str(error).startswith("TODO"):
+            raise
+        message = f"{error} is not done yet in {sys.argv[0]}: complete it, then run again."
+    print(f"[rank {os.environ.get('RANK', '0')}] ERROR: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rank 0 does the printing and the writing
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _root_cache() -> bool:
+    return dist.get_rank() == 0
+
+
+def is_root_process() -> bool:
+    """True on global rank 0 (and in a program that never started a process group).
+
+    The answer is cached once the process group exists, and only then: asking before `setup()`
+    must not freeze a wrong answer.
+    """
+    if not dist.is_initialized():
+        return int(os.environ.get("RANK", 0)) == 0
+    return _root_cache()
+
+
+def print0(*args, **kwargs):
+    """print() on rank 0 only, flushed so that logs interleave in order."""
+    if is_root_process():
+        print(*args, **kwargs, flush=True)
+
+
+def save0(obj, path):
+    """torch.save() on rank 0 only (every rank holds the same object in data parallelism)."""
+    if is_root_process():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(obj, path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------------
+
+
+def save_full_model(model, optimizer, path):
+    """Gather the full (unsharded) model and optimizer state to rank 0's CPU and save them there.
+
+    Works for a plain module, DDP and FSDP2 alike. Every rank must call it: with sharded models
+    gathering is a collective. The file loads with plain `torch.load` on one process.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    save0({"model": model_state, "optimizer": optimizer_state}, path)
+    if dist.is_initialized():
+        dist.barrier()  # nobody reads the file before rank 0 has finished writing it
+
+
+class AppState(Stateful):
+    """What a distributed checkpoint holds: the model and its optimizer, as (sharded) state dicts.
+
+    DCP calls state_dict() when saving and load_state_dict() when loading; get/set_state_dict
+    translate between the wrapped (DDP/FSDP) parameter names and plain ones, which is what
+    lets a checkpoint written by 4 ranks load on 2.
+    """
+
+    def __init__(self, model, optimizer=None):
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self):
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer or [])
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_state_dict(self, state_dict):
+        set_state_dict(
+            self.model,
+            self.optimizer or [],
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optimizer"],
+        )
+
+
+def save_sharded_model(model, optimizer, checkpoint_dir):
+    """Each rank writes its own shards to `checkpoint_dir` (a folder, one file per rank)."""
+    dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=str(checkpoint_dir))
+
+
+def load_sharded_model(model, optimizer, checkpoint_dir):
+    """Load a sharded checkpoint into `model`/`optimizer`, whatever world size wrote it."""
+    if not (Path(checkpoint_dir) / ".metadata").exists():
+        raise CourseError(f"no distributed checkpoint in {checkpoint_dir} (its .metadata file is missing)")
+    dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=str(checkpoint_dir))
+
+
+# --------------------------------------------------------------------------------------------------
+# Teardown
+# --------------------------------------------------------------------------------------------------
+
+
+def destroy_process_group():
+    """Leave the process group cleanly.
+
+    The barrier first: with gloo, a rank that tears down while another is still using the group
+    crashes at random ("terminate called without an active exception").
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _root_cache.cache_clear()

@@ -1,0 +1,70 @@
+"""The metrics file every lesson script writes with --metrics-out, so runs can be compared.
+
+Tests, notebooks and learners compare a 1-process run with an N-process run, or a hand-written
+parallelism with PyTorch's built-in, through these numbers. The parameter checksum is computed on
+the full parameters, so it is the same however the model is sharded across ranks.
+"""
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from utils.distributed_utils import is_root_process
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, gathering it if it is a DTensor sharded across ranks (a collective)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank stores."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def param_checksum(model: torch.nn.Module) -> float:
+    """Sum of squares of all full parameters, in float64: equal for equal models, however sharded."""
+    return sum(float(_full(p.detach()).double().pow(2).sum()) for p in model.parameters())
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Bytes this rank holds for parameters, gradients and optimizer state."""
+
+    def nbytes(tensors):
+        return sum(_local(t).numel() * t.element_size() for t in tensors if t is not None)
+
+    optimizer_tensors = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            optimizer_tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {
+        "params": nbytes(p for p in model.parameters()),
+        "grads": nbytes(p.grad for p in model.parameters()),
+        "optimizer": nbytes(optimizer_tensors),
+    }
+
+
+def host_name() -> str:
+    """The Slurm node name where there is one (several nodes may share a host), else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def write_metrics(path, **fields):
+    """Write `fields` plus world size and each rank's host as JSON. Call on every rank."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    hosts = [host_name()] * world_size
+    if world_size > 1:
+        dist.all_gather_object(hosts, host_name())  # a collective: every rank must call write_metrics
+    if path and is_root_process():
+        record = {"world_size": world_size, "hosts": hosts, **fields}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def read_metrics(path) -> dict:
+    return json.loads(Path(path).read_text())
