@@ -66,7 +66,11 @@ def _launcher_environment() -> tuple[int, int, int]:
             ).stdout.split()
             os.environ["MASTER_ADDR"] = nodes[0]
         os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 20000))
-        return int(os.environ["SLURM_LOCALID"]), int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+        return (
+            int(os.environ["SLURM_LOCALID"]),
+            int(os.environ["SLURM_PROCID"]),
+            int(os.environ["SLURM_NTASKS"]),
+        )
     # Plain `python script.py`: a world of one on this machine.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
