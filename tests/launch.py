@@ -86,7 +86,7 @@ def _run(command, timeout, env, metrics_path) -> Run:
         tail = "\n".join(output.splitlines()[-40:])
         raise AssertionError(
             f"`{' '.join(command)}` did not finish within {timeout} s. Its last lines:\n{tail}"
-        )
+        ) from None
     metrics = None
     if metrics_path is not None and process.returncode == 0 and metrics_path.exists():
         metrics = json.loads(metrics_path.read_text())

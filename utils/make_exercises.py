@@ -133,9 +133,7 @@ def main() -> int:
             continue
         if args.check:
             stale.append(path)
-            diff = difflib.unified_diff(
-                current.splitlines(), text.splitlines(), str(path), "generated", lineterm=""
-            )
+            diff = difflib.unified_diff(current.splitlines(), text.splitlines(), str(path), "generated", lineterm="")
             print("\n".join(list(diff)[:40]), file=sys.stderr)
         else:
             path.parent.mkdir(exist_ok=True)
