@@ -1,0 +1,268 @@
+# Exercise for lesson 01: complete the numbered TODOs. (This file is generated from
+# solutions/01_collectives.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+"""Lesson 01: collectives, the vocabulary of every parallelism in this course.
+
+Part 1 runs each collective of torch.distributed on small tensors and shows every rank's tensor
+before and after. Part 2 builds all-reduce twice by hand: as a ring of send/recv (a reduce-scatter
+phase, then an all-gather phase) and from the reduce-scatter and all-gather collectives, and checks
+both against dist.all_reduce. Part 3 measures the hand-written ring against the library.
+
+    torchrun --nproc_per_node=4 solutions/01_collectives.py
+    python solutions/01_collectives.py            # a world of one: runs, but nothing to exchange
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import utils` from solutions/ or exercises/
+
+import torch
+import torch.distributed as dist
+
+from utils.distributed_utils import destroy_process_group, print0, run_main, setup
+from utils.metrics import write_metrics
+
+# --------------------------------------------------------------------------------------------------
+# Part 1: each collective on a tiny tensor
+# --------------------------------------------------------------------------------------------------
+
+
+def gather_to_all(tensor: torch.Tensor) -> list[list[float]]:
+    """Every rank's copy of `tensor` (as lists), so rank 0 can show the whole picture."""
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, tensor.tolist())
+    return pieces
+
+
+def demonstrate_collectives(rank: int, world_size: int) -> dict:
+    """Run each collective once; return {name: {"before": per-rank lists, "after": per-rank lists}}."""
+    demos = {}
+
+    def record(name, before, after):
+        demos[name] = {"before": gather_to_all(before), "after": gather_to_all(after)}
+
+    def mine():  # rank r starts with [10r+1, 10r+2, ...]: easy to follow by eye
+        return torch.arange(1, world_size + 1, dtype=torch.float32) + 10 * rank
+
+    # broadcast: rank 0's tensor overwrites everyone's.
+    x = mine()
+    before = x.clone()
+    dist.broadcast(x, src=0)
+    record("broadcast", before, x)
+
+    # reduce: the sum arrives on rank 0 only (what the others hold afterwards is not to be used).
+    x = mine()
+    before = x.clone()
+    dist.reduce(x, dst=0, op=dist.ReduceOp.SUM)
+    record("reduce", before, x if rank == 0 else torch.full_like(x, float("nan")))
+
+    # all-reduce: everyone gets the sum. Data parallelism averages gradients this way.
+    x = mine()
+    before = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    record("all_reduce", before, x)
+
+    # all-gather: everyone gets everyone's tensor, concatenated. FSDP gathers parameters this way.
+    x = mine()
+    gathered = torch.empty(world_size * x.numel())
+    dist.all_gather_into_tensor(gathered, x)
+    record("all_gather", x, gathered)
+
+    # reduce-scatter: sum, then rank r keeps chunk r of the sum. FSDP reduces gradients this way.
+    x = mine()
+    chunk = torch.empty(x.numel() // world_size)
+    dist.reduce_scatter_tensor(chunk, x, op=dist.ReduceOp.SUM)
+    record("reduce_scatter", x, chunk)
+
+    # all-to-all: rank r sends its chunk j to rank j. Expert parallelism routes tokens this way.
+    x = mine()
+    received = torch.empty_like(x)
+    dist.all_to_all_single(received, x)
+    record("all_to_all", x, received)
+
+    # send/recv: point to point. Each rank passes its tensor to the next rank around a ring.
+    x = mine()
+    received = x.clone()  # a world of one keeps its own tensor
+    if world_size > 1:
+        request = dist.isend(x, dst=(rank + 1) % world_size)  # isend: don't wait, or everyone would
+        dist.recv(received, src=(rank - 1) % world_size)
+        request.wait()
+    record("send_recv", x, received)
+    return demos
+
+
+# --------------------------------------------------------------------------------------------------
+# Part 2: all-reduce by hand
+# --------------------------------------------------------------------------------------------------
+
+
+def pass_around_ring(send: torch.Tensor, receive: torch.Tensor):
+    """Send `send` to the right-hand neighbour while receiving `receive` from the left-hand one."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    request = dist.isend(send, dst=(rank + 1) % world_size)
+    dist.recv(receive, src=(rank - 1) % world_size)
+    request.wait()
+
+
+def ring_reduce_scatter(chunks: list[torch.Tensor]):
+    """In place: afterwards chunk (rank + 1) % n on this rank holds the sum of that chunk over all ranks."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # TODO 1: the reduce-scatter phase of the ring. In step s (s = 0 .. n-2), each rank sends chunk
+    #   (rank - s) % n to its right-hand neighbour and adds the chunk it receives from its left-hand
+    #   neighbour into its own chunk (rank - s - 1) % n. Use pass_around_ring() and a receive buffer.
+    #   Every rank sends and receives 1/n of the data per step, whatever n is: that is the ring's trick.
+    raise NotImplementedError("TODO 1: the reduce-scatter phase of the ring")
+
+
+def ring_all_gather(chunks: list[torch.Tensor]):
+    """In place: rank r starts with the finished chunk (r + 1) % n and ends with all of them."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # TODO 2: the all-gather phase of the ring. In step s (s = 0 .. n-2), each rank sends its finished
+    #   chunk (rank + 1 - s) % n to the right and receives finished chunk (rank - s) % n from the left,
+    #   straight into place (nothing to add this time).
+    raise NotImplementedError("TODO 2: the all-gather phase of the ring")
+
+
+def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over all ranks, in place, with send/recv only: reduce-scatter, then all-gather."""
+    # Views into the tensor, not copies: the phases write the result straight into it.
+    chunks = list(tensor.view(-1).tensor_split(dist.get_world_size()))
+    ring_reduce_scatter(chunks)
+    ring_all_gather(chunks)
+    return tensor
+
+
+def all_reduce_from_collectives(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over all ranks, in place, as dist.reduce_scatter_tensor then dist.all_gather_into_tensor."""
+    world_size = dist.get_world_size()
+    # TODO 3: all-reduce = reduce-scatter + all-gather. Pad the flattened tensor to a multiple of n,
+    #   reduce-scatter it (SUM) so each rank holds 1/n of the sum, all-gather those pieces back into
+    #   the padded buffer, then copy the first numel elements into `tensor`.
+    raise NotImplementedError("TODO 3: all-reduce = reduce-scatter + all-gather")
+    return tensor
+
+
+def check_against_library(name: str, all_reduce_by_hand, device) -> float:
+    """Largest difference from dist.all_reduce over several shapes; stops the lesson if it is wrong."""
+    worst = 0.0
+    for shape in [(1,), (5,), (3, 7), (1000,), (64, 64)]:
+        generator = torch.Generator().manual_seed(dist.get_rank() * 100 + len(shape))
+        x = torch.randn(shape, generator=generator).to(device)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        worst = max(worst, (all_reduce_by_hand(x) - expected).abs().max().item())
+    worst_tensor = torch.tensor(worst)
+    dist.all_reduce(worst_tensor, op=dist.ReduceOp.MAX)
+    # Sums in another order round differently: float32 agrees to about 1e-6, not exactly.
+    verdict = "matches" if worst_tensor.item() < 1e-5 else f"DOES NOT MATCH (off by {worst_tensor.item():.2g})"
+    print0(f"{name:>30} {verdict} dist.all_reduce")
+    return worst_tensor.item()
+
+
+# --------------------------------------------------------------------------------------------------
+# Part 3: how fast? The alpha-beta model and bus bandwidth
+# --------------------------------------------------------------------------------------------------
+
+
+def seconds_per_call(all_reduce, tensor: torch.Tensor, repeats: int) -> float:
+    """Average time of one call, as the slowest rank saw it."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        all_reduce(tensor)
+    dist.barrier()
+    elapsed = torch.tensor((time.perf_counter() - start) / repeats, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def benchmark(sizes_bytes: list[int], rounds: int, device) -> list[dict]:
+    """Time library, ring and reduce-scatter+all-gather all-reduce on the same tensors, interleaved."""
+    world_size = dist.get_world_size()
+    implementations = {"library": dist.all_reduce, "ring": ring_all_reduce, "rs_ag": all_reduce_from_collectives}
+    rows = []
+    for size in sizes_bytes:
+        tensor = torch.ones(size // 4, device=device)  # float32
+        repeats = max(2, min(50, (4 << 20) // size))  # more repeats for small, quick messages
+        for all_reduce in implementations.values():  # warm-up: connections, allocations
+            all_reduce(tensor)
+        times = {name: [] for name in implementations}
+        for _ in range(rounds):  # interleaved rounds: a slow moment of the machine hits all three
+            for name, all_reduce in implementations.items():
+                times[name].append(seconds_per_call(all_reduce, tensor, repeats))
+        row = {"bytes": size, "world_size": world_size}
+        for name in implementations:
+            seconds = statistics.median(times[name])
+            algorithm_bandwidth = size / seconds  # bytes of the tensor per second
+            row[name] = {
+                "seconds": seconds,
+                "algbw_GBps": algorithm_bandwidth / 1e9,
+                # What each link carried: a ring all-reduce sends 2(n-1)/n of the tensor per rank.
+                "busbw_GBps": algorithm_bandwidth * 2 * (world_size - 1) / world_size / 1e9,
+            }
+        rows.append(row)
+    return rows
+
+
+def fit_alpha_beta(rows: list[dict], name: str) -> tuple[float, float]:
+    """Least-squares fit of time = alpha + beta * bytes: alpha is latency, 1/beta bandwidth."""
+    sizes = torch.tensor([float(r["bytes"]) for r in rows], dtype=torch.float64)
+    seconds = torch.tensor([r[name]["seconds"] for r in rows], dtype=torch.float64)
+    design = torch.stack([torch.ones_like(sizes), sizes], dim=1)
+    alpha, beta = torch.linalg.lstsq(design, seconds.unsqueeze(1)).solution.squeeze(1).tolist()
+    return alpha, beta
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed rounds per message size")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sizes", default="1K,32K,1M,16M", help="message sizes in bytes (K and M suffixes)")
+    parser.add_argument("--skip-benchmark", action="store_true", help="parts 1 and 2 only")
+    parser.add_argument("--metrics-out", default=None, help="write results as JSON to this file")
+    args = parser.parse_args()
+
+    local_rank, rank, device, world_size = setup(args.seed)
+    print0(f"world size {world_size}, backend {dist.get_backend()}, device {device.type}")
+
+    print0("\nPart 1: the collectives, rank by rank")
+    demos = demonstrate_collectives(rank, world_size)
+    for name, demo in demos.items():
+        print0(f"  {name}")
+        for r in range(world_size):
+            print0(f"    rank {r}: {demo['before'][r]} -> {demo['after'][r]}")
+
+    print0("\nPart 2: all-reduce by hand, checked against the library")
+    errors = {
+        "ring": check_against_library("ring all-reduce (send/recv)", ring_all_reduce, device),
+        "rs_ag": check_against_library("reduce-scatter + all-gather", all_reduce_from_collectives, device),
+    }
+
+    rows = []
+    if not args.skip_benchmark:
+        print0("\nPart 3: time per all-reduce (median of rounds), bus bandwidth")
+        units = {"K": 1 << 10, "M": 1 << 20}
+        sizes = [int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s) for s in args.sizes.split(",")]
+        rows = benchmark(sizes, args.steps, device)
+        print0(f"{'bytes':>10} {'library':>12} {'ring':>12} {'ring/library':>13} {'busbw library':>14}")
+        for row in rows:
+            ratio = row["library"]["seconds"] / row["ring"]["seconds"]
+            print0(
+                f"{row['bytes']:>10} {row['library']['seconds'] * 1e6:>10.0f}us {row['ring']['seconds'] * 1e6:>10.0f}us"
+                f" {ratio:>12.2f}x {row['library']['busbw_GBps']:>11.3f} GB/s"
+            )
+        alpha, beta = fit_alpha_beta(rows, "library")
+        print0(f"alpha-beta fit (library): alpha = {alpha * 1e6:.0f} us, 1/beta = {1 / beta / 1e9:.2f} GB/s")
+
+    write_metrics(
+        args.metrics_out, lesson="01_collectives", steps=args.steps, demos=demos, errors=errors, benchmark=rows
+    )
+    print0(f"FINISHED lesson 01 on {world_size} ranks")
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)
