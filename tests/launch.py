@@ -23,7 +23,11 @@ class Run:
     metrics: dict | None
 
     def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.output.splitlines()[-lines:])
+        """The output's last lines, without torchrun's own traceback (the ranks' errors come before it)."""
+        kept = self.output.splitlines()
+        if "Traceback (most recent call last):" in kept:  # unprefixed: the launcher's, not a rank's
+            kept = kept[: kept.index("Traceback (most recent call last):")]
+        return "\n".join(kept[-lines:])
 
     def check(self) -> "Run":
         """Fail with the command and the output's tail unless the run succeeded."""
