@@ -15,7 +15,7 @@ MARK="course-slurm"                       # marks every line and file this scrip
 CTLD_PORT="${COURSE_SLURM_CTLD_PORT:-6817}"
 PORT_N1="${COURSE_SLURM_PORT_N1:-6818}"
 PORT_N2="${COURSE_SLURM_PORT_N2:-6819}"
-CPUS=64                                   # per node; more than a job of the course asks for
+CPUS=32                                   # per node: two jobs of 16 CPUs side by side, as on a GPU node
 MEM_MB=256000
 WAIT_S="${COURSE_SLURM_WAIT_S:-60}"       # how long to wait for both nodes to be idle
 
