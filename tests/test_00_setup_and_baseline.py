@@ -1,0 +1,110 @@
+"""Lesson 00: the single-device baseline trains, logs, measures and refuses what it cannot do.
+
+pytest tests/test_00_setup_and_baseline.py                      # the solution
+pytest tests/test_00_setup_and_baseline.py --target exercises   # your exercise (make check LESSON=00)
+"""
+
+import math
+import time
+
+import pytest
+import torch
+
+from tests.launch import course_env, python, torchrun
+from utils.metrics import param_checksum
+from utils.model import ModelConfig, build_model
+
+STEPS = 60
+UNIFORM_LOSS = math.log(256)  # what a model that knows nothing about bytes scores
+
+
+@pytest.fixture(scope="module")
+def baseline(lesson, tmp_path_factory):
+    """One short run under torchrun with one process, shared by the tests below."""
+    tmp = tmp_path_factory.mktemp("lesson00")
+    args = ["--steps", STEPS, "--log-dir", tmp / "runs", "--checkpoint", tmp / "model.pt"]
+    return torchrun(lesson("00"), 1, args, tmp_path=tmp), tmp
+
+
+def finished(run, todo: int):
+    """The run's metrics, or a failure that names the TODO the run stopped at (else `todo`)."""
+    stopped_at = next((f"TODO {n}" for n in (1, 2, 3) if f"TODO {n}:" in run.output), None)
+    assert run.returncode == 0, f"{stopped_at or f'TODO {todo}'}: the run failed. Its last lines:\n{run.tail()}"
+    return run.metrics
+
+
+def test_todo1_training_step_lowers_the_loss(baseline):
+    metrics = finished(baseline[0], 1)
+    losses = metrics["losses"]
+    assert len(losses) == STEPS, "TODO 1: append each step's loss to `losses`"
+    # 60 AdamW steps on the generated corpus reach about 2.1; a model that does not learn stays near 5.5.
+    assert metrics["final_loss"] < 0.7 * UNIFORM_LOSS, f"TODO 1: the loss did not fall: {losses[::10]}"
+    assert sum(losses[-10:]) < sum(losses[:10]) - 10 * 1.0, f"TODO 1: the loss curve does not fall: {losses[::10]}"
+
+
+def test_todo2_tokens_per_second_is_measured(baseline):
+    metrics = finished(baseline[0], 2)
+    assert metrics["tokens_per_s"] > 0, "TODO 2: feed the throughput meter the tokens of each step"
+
+
+def test_todo3_loss_logged_to_tensorboard(baseline):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, tmp = baseline
+    metrics = finished(run, 3)
+    assert list((tmp / "runs").glob("events.out.tfevents.*")), "TODO 3: no tensorboard event file was written"
+    events = EventAccumulator(str(tmp / "runs")).Reload()
+    assert "loss" in events.Tags()["scalars"], "TODO 3: log a scalar named `loss`"
+    logged = events.Scalars("loss")
+    assert [e.step for e in logged] == list(range(1, STEPS + 1)), "TODO 3: log the loss once per step, with its step"
+    assert [e.value for e in logged] == pytest.approx(metrics["losses"], rel=1e-6), "TODO 3: log this step's loss"
+    assert "tokens_per_s" in events.Tags()["scalars"], "TODO 3: log `tokens_per_s` too"
+
+
+def test_metrics_file_is_complete(baseline):
+    metrics = finished(baseline[0], 1)
+    for field in ("final_loss", "losses", "steps", "world_size", "tokens_per_s", "param_checksum", "bytes_per_rank"):
+        assert field in metrics, field
+    assert metrics["world_size"] == 1 and metrics["steps"] == STEPS
+    assert metrics["bytes_per_rank"]["params"] == 4 * 137_216  # the tiny model in fp32
+    assert metrics["bytes_per_rank"]["optimizer"] == 2 * 4 * 137_216  # AdamW: two moments per parameter
+    assert baseline[0].output.rstrip().splitlines()[-1].startswith("FINISHED")
+
+
+def test_checkpoint_loads_on_one_process(baseline):
+    run, tmp = baseline
+    metrics = finished(run, 1)
+    state = torch.load(tmp / "model.pt", weights_only=True)
+    model = build_model(ModelConfig(**state["config"]), seed=123)
+    model.load_state_dict(state["model"])
+    assert param_checksum(model) == pytest.approx(metrics["param_checksum"], rel=1e-12)
+
+
+def test_same_seed_same_run_with_or_without_torchrun(lesson, tmp_path):
+    """A plain `python script.py` and `torchrun --nproc_per_node=1` are the same world of one."""
+    args = ["--steps", 3, "--optimizer", "sgd", "--log-dir", tmp_path / "runs"]
+    plain = python(lesson("00"), args, tmp_path=tmp_path)
+    launched = torchrun(lesson("00"), 1, args, tmp_path=tmp_path)
+    assert finished(plain, 1)["losses"] == finished(launched, 1)["losses"]
+    assert plain.metrics["param_checksum"] == launched.metrics["param_checksum"]
+
+
+def test_two_processes_are_refused_with_a_clear_message(lesson, tmp_path):
+    start = time.perf_counter()
+    run = torchrun(lesson("00"), 2, ["--steps", 2, "--log-dir", tmp_path / "runs"], timeout=90)
+    assert run.returncode != 0
+    assert "lesson 00 is the single-device baseline: run it with 1 process" in run.output, run.tail()
+    assert "lesson 02 makes it data parallel" in run.output
+    assert time.perf_counter() - start < 60
+
+
+def test_wikitext_without_prepared_cache_stops_at_once(lesson, tmp_path):
+    """A compute node: no internet, no prepared copy. One line telling what to run on the login node."""
+    env = course_env(COURSE_DATA=tmp_path / "empty")
+    start = time.perf_counter()
+    run = python(lesson("00"), ["--dataset", "wikitext", "--log-dir", tmp_path / "runs"], env=env, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert run.returncode == 2, run.tail()
+    assert "python -m utils.data prepare --dataset wikitext" in run.output, run.tail()
+    assert "Traceback" not in run.output
+    assert elapsed < 20, f"took {elapsed:.0f} s: the missing cache must be found before any download attempt"
