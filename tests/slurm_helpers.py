@@ -88,7 +88,8 @@ def cluster_problem(nodes_needed: int = 1, wait_s: float = 60) -> str | None:
     while True:
         done = slurm("sinfo", "-h", "-N", "-o", "%N %t")
         if done.returncode != 0:
-            problem = f"the cluster does not answer: {(done.stderr or done.stdout).strip().splitlines()[-1:]}"
+            said = (done.stderr or done.stdout).strip().splitlines()
+            problem = f"the cluster does not answer: {said[-1] if said else f'sinfo exited {done.returncode}'}"
         else:
             states = dict(line.split()[:2] for line in done.stdout.splitlines() if len(line.split()) >= 2)
             up = [node for node, state in states.items() if state.rstrip("*~#!%$@^-") in UP_STATES]
@@ -107,6 +108,17 @@ def sbatch_nodes(path: Path) -> int:
         if found:
             return int(found.group(1))
     return 1
+
+
+def sbatch_gpus_per_node(path: Path) -> int | None:
+    """The GPUs a node an sbatch file asks for (#SBATCH --gres=gpu[:type]:N or --gpus-per-node=N)."""
+    for line in Path(path).read_text().splitlines():
+        found = re.match(
+            r"#SBATCH\s+(?:--gres[=\s]gpu(?::[\w.-]+)?:|--gpus-per-node[=\s](?:[\w.-]+:)?)(\d+)", line.strip()
+        )
+        if found:
+            return int(found.group(1))
+    return None
 
 
 @dataclass
