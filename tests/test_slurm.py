@@ -83,7 +83,7 @@ def lesson_jobs(cluster, workdir, target):
 
 def keep_output(job, workdir):
     """Move a lesson job's output from the submit directory (the repository) into the test's workdir."""
-    if job.record.get("StdOut") and job.output_file.is_file() and job.output_file.parent == ROOT:
+    if job.record.get("StdOut") and job.output_file.is_file() and job.output_file.resolve().parent == ROOT:
         shutil.move(job.output_file, workdir / job.output_file.name)
 
 
@@ -127,7 +127,7 @@ def test_sbatch_file_runs_on_slurm(sbatch_file, lesson_jobs, workdir):
         output = read_output(job)
         story = job.describe()
         assert job.state == "COMPLETED" and job.exit_code == 0, f"expected COMPLETED with exit code 0. {story}"
-        assert job.output_file.parent == ROOT, f"the output should be in the submit directory {ROOT}. {story}"
+        assert job.output_file.resolve().parent == ROOT, f"the output should be in the submit directory {ROOT}. {story}"
         assert any(line.startswith("FINISHED") for line in output.splitlines()), f"no FINISHED line. {story}"
         assert metrics_path.is_file(), f"no metrics file {metrics_path}. {story}"
         metrics = json.loads(metrics_path.read_text())
