@@ -37,12 +37,14 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
     fi
 fi
 
-# --- address: n1 and n2 must resolve to an address of this machine's own hostname, so that
-# torchrun on n1 recognises the rendezvous endpoint n1 as itself and hosts the store there.
+# --- address: n1 and n2 must resolve to the address of this machine's own hostname (usually
+# 127.0.0.1), so that torchrun on n1 recognises the rendezvous endpoint n1 as itself and hosts the
+# store there. A hostname that does not resolve at all joins the marked /etc/hosts line.
 CTLD_HOST="$(hostname -s)"
-ADDR=127.0.0.1
-own="$(getent ahostsv4 "$(hostname)" 2>/dev/null | awk 'NR == 1 {print $1}')"
-if [ -n "$own" ] && [[ "$own" != 127.* ]]; then ADDR="$own"; fi
+ADDR="$(getent ahostsv4 "$(hostname)" 2>/dev/null | awk 'NR == 1 {print $1}')"
+HOSTS_LINE="${ADDR:-127.0.0.1} n1 n2"
+[ -n "$ADDR" ] || HOSTS_LINE="127.0.0.1 n1 n2 $(hostname)"
+ADDR="${ADDR:-127.0.0.1}"
 
 mkdir -p "$STATE"/{ctld,run,log,etc,spool/n1,spool/n2,dev/n1,dev/n2}
 for n in n1 n2; do
@@ -70,9 +72,9 @@ for f in slurm.conf gres.conf; do
 done
 
 # --- node names: one marked line in /etc/hosts (rewritten in place: it may be a bind mount).
-if ! grep -q "^$ADDR n1 n2 # $MARK\$" /etc/hosts; then
+if ! grep -qx "$HOSTS_LINE # $MARK" /etc/hosts; then
     kept="$(grep -v "# $MARK\$" /etc/hosts || true)"
-    printf '%s\n%s n1 n2 # %s\n' "$kept" "$ADDR" "$MARK" >/etc/hosts
+    printf '%s\n%s # %s\n' "$kept" "$HOSTS_LINE" "$MARK" >/etc/hosts
 fi
 
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
