@@ -133,7 +133,8 @@ def test_sbatch_file_runs_on_slurm(sbatch_file, lesson_jobs, workdir):
         metrics = json.loads(metrics_path.read_text())
         hostnames = job.hostnames()
         assert len(hostnames) == nodes, f"asked for {nodes} nodes, got {hostnames}. {story}"
-        assert metrics["world_size"] == nodes * per_node, f"expected {nodes} x {per_node} ranks: {metrics}. {story}"
+        ranks = {key: metrics.get(key) for key in ("world_size", "hosts")}
+        assert metrics["world_size"] == nodes * per_node, f"expected {nodes} x {per_node} ranks, got {ranks}. {story}"
         # Ranks on every node of the job took part: per_node of them on each node, none elsewhere.
         assert sorted(metrics["hosts"]) == sorted(hostnames * per_node), (
             f"expected {per_node} ranks on each of {hostnames}, got hosts {metrics['hosts']}. {story}"
