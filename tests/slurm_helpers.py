@@ -144,12 +144,23 @@ class Job:
     def output_tail(self, lines: int = 40) -> str:
         return tail(self.output_file, lines) if self.record.get("StdOut") else "(no output file known)"
 
-    def describe(self) -> str:
+    def error_lines(self, tail_lines: int, most: int = 15) -> str:
+        """Lines that look like errors above the tail (torchrun's summary can push the cause out of it)."""
+        try:
+            lines = self.output_file.read_text(errors="replace").splitlines()[:-tail_lines]
+        except OSError:
+            return ""
+        errors = [line for line in lines if re.search(r"\bERROR\b|\w(Error|Exception)\b|error:", line)]
+        return "\n".join(errors[:most])
+
+    def describe(self, tail_lines: int = 40) -> str:
         """The whole story of this job for a failure message."""
+        errors = self.error_lines(tail_lines) if self.record.get("StdOut") else ""
         return (
             f"job {self.job_id} ({self.command}): state {self.state}, exit code "
             f"{self.record.get('ExitCode', '?')}, reason {self.record.get('Reason', '?')}\n"
-            f"--- last lines of {self.output_file}\n{self.output_tail()}\n{cluster_report(self.job_id)}"
+            + (f"--- error lines of {self.output_file}\n{errors}\n" if errors else "")
+            + f"--- last lines of {self.output_file}\n{self.output_tail(tail_lines)}\n{cluster_report(self.job_id)}"
         )
 
     def hostnames(self) -> list[str]:
