@@ -70,7 +70,8 @@ def test_missing_wikitext_fails_at_once_in_process(tmp_path):
 
 @pytest.mark.parametrize("offline_variable", [True, False], ids=["HF_DATASETS_OFFLINE=1", "no-offline-variable"])
 def test_missing_wikitext_fails_at_once_without_internet(tmp_path, offline_variable):
-    """No retries against the Hub: the check happens before any network call, with or without the variable."""
+    """No retries against the Hub (about 23 s): the check comes before any network call, with or without
+    the variable. The bound leaves room for starting Python and importing torch on a busy machine."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "COURSE_DATA"))}
     if offline_variable:
         env["HF_DATASETS_OFFLINE"] = "1"
@@ -81,7 +82,7 @@ def test_missing_wikitext_fails_at_once_without_internet(tmp_path, offline_varia
     elapsed = time.perf_counter() - start
     assert result.returncode != 0
     assert "CourseError" in result.stderr and "prepare --dataset wikitext" in result.stderr, result.stderr[-2000:]
-    assert elapsed < 15, f"took {elapsed:.0f} s: the missing cache must be detected before any download attempt"
+    assert elapsed < 20, f"took {elapsed:.0f} s: the missing cache must be detected before any download attempt"
 
 
 def test_prepared_wikitext_loads_from_disk_without_network(tmp_path):
