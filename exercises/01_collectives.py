@@ -41,8 +41,10 @@ def demonstrate_collectives(rank: int, world_size: int) -> dict:
     """Run each collective once; return {name: {"before": per-rank lists, "after": per-rank lists}}."""
     demos = {}
 
-    def record(name, before, after):
+    def record(name, before, after, only_on_root=False):
         demos[name] = {"before": gather_to_all(before), "after": gather_to_all(after)}
+        if only_on_root:  # the other ranks' tensors hold nothing meaningful: show them as None
+            demos[name]["after"][1:] = [None] * (world_size - 1)
 
     def mine():  # rank r starts with [10r+1, 10r+2, ...]: easy to follow by eye
         return torch.arange(1, world_size + 1, dtype=torch.float32) + 10 * rank
@@ -57,7 +59,7 @@ def demonstrate_collectives(rank: int, world_size: int) -> dict:
     x = mine()
     before = x.clone()
     dist.reduce(x, dst=0, op=dist.ReduceOp.SUM)
-    record("reduce", before, x if rank == 0 else torch.full_like(x, float("nan")))
+    record("reduce", before, x, only_on_root=True)
 
     # all-reduce: everyone gets the sum. Data parallelism averages gradients this way.
     x = mine()
@@ -68,13 +70,13 @@ def demonstrate_collectives(rank: int, world_size: int) -> dict:
     # all-gather: everyone gets everyone's tensor, concatenated. FSDP gathers parameters this way.
     x = mine()
     gathered = torch.empty(world_size * x.numel())
-    dist.all_gather_into_tensor(gathered, x)
+    dist.all_gather_single(gathered, x)
     record("all_gather", x, gathered)
 
     # reduce-scatter: sum, then rank r keeps chunk r of the sum. FSDP reduces gradients this way.
     x = mine()
     chunk = torch.empty(x.numel() // world_size)
-    dist.reduce_scatter_tensor(chunk, x, op=dist.ReduceOp.SUM)
+    dist.reduce_scatter_single(chunk, x, op=dist.ReduceOp.SUM)
     record("reduce_scatter", x, chunk)
 
     # all-to-all: rank r sends its chunk j to rank j. Expert parallelism routes tokens this way.
@@ -136,7 +138,7 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_from_collectives(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum `tensor` over all ranks, in place, as dist.reduce_scatter_tensor then dist.all_gather_into_tensor."""
+    """Sum `tensor` over all ranks, in place, as dist.reduce_scatter_single then dist.all_gather_single."""
     world_size = dist.get_world_size()
     # TODO 3: all-reduce = reduce-scatter + all-gather. Pad the flattened tensor to a multiple of n,
     #   reduce-scatter it (SUM) so each rank holds 1/n of the sum, all-gather those pieces back into
@@ -233,7 +235,8 @@ def main():
     for name, demo in demos.items():
         print0(f"  {name}")
         for r in range(world_size):
-            print0(f"    rank {r}: {demo['before'][r]} -> {demo['after'][r]}")
+            after = demo["after"][r] if demo["after"][r] is not None else "(nothing defined)"
+            print0(f"    rank {r}: {demo['before'][r]} -> {after}")
 
     print0("\nPart 2: all-reduce by hand, checked against the library")
     errors = {
