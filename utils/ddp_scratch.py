@@ -77,8 +77,8 @@ class DataParallel(nn.Module):
         self.module = module
         self.world_size = dist.get_world_size()
         self.require_sync = True  # False inside no_sync()
-        self.allreduce_bytes_per_step = 0  # bytes all-reduced by the last synchronising backward
-        self._bytes_this_backward = 0
+        self.allreduce_bytes = 0  # bytes of gradients all-reduced so far, all steps together
+        self.buckets_overlapped = 0  # of its buckets, how many were launched while backward was still running
 
         # 1. Same starting point everywhere: rank 0's parameters (and buffers) overwrite the others'.
         with torch.no_grad():
@@ -138,13 +138,14 @@ class DataParallel(nn.Module):
     def _launch(self, bucket: Bucket):
         # AVG averages over ranks (gloo has no PREMUL_SUM; AVG works on gloo and NCCL alike).
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, async_op=True)
-        self._bytes_this_backward += bucket.nbytes
+        self.allreduce_bytes += bucket.nbytes
         self._next_to_launch += 1
 
     def finish_gradient_synchronization(self):
         """Wait for every bucket's all-reduce and write the averages into .grad. Runs at the end of backward."""
         if not self._syncing:
             return  # nothing to wait for (a no_sync backward, or already finished)
+        self.buckets_overlapped = self._next_to_launch
         # A parameter that took no part in this forward has no hook call; send its gradient (or zeros)
         # anyway, so that every rank launches every bucket.
         for bucket in self.buckets[self._next_to_launch :]:
@@ -160,5 +161,3 @@ class DataParallel(nn.Module):
             bucket.ready.clear()
             bucket.work = None
         self._next_to_launch, self._syncing = 0, False
-        self.allreduce_bytes_per_step = self._bytes_this_backward
-        self._bytes_this_backward = 0

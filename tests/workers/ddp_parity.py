@@ -75,7 +75,7 @@ def main():
         train(reference, batches, rank, world_size, data_parallel=False)
         wrappers = {
             "scratch_one_bucket": lambda m: DataParallel(m),
-            "scratch_small_buckets": lambda m: DataParallel(m, bucket_cap_mb=0.0005),
+            "scratch_small_buckets": lambda m: DataParallel(m, bucket_cap_mb=0.0002),
             "builtin": lambda m: DistributedDataParallel(m),
         }
         for name, wrap in wrappers.items():
@@ -85,7 +85,8 @@ def main():
             results[f"max_diff_{key}"] = max_diff(model, reference)
             if isinstance(model, DataParallel):
                 results[f"buckets_{key}"] = len(model.buckets)
-                results[f"allreduce_bytes_{key}"] = model.allreduce_bytes_per_step
+                results[f"allreduce_bytes_{key}"] = model.allreduce_bytes / STEPS  # per optimizer step
+                results[f"overlapped_{key}"] = model.buckets_overlapped
     params = list(reference_init.parameters())
     results["param_count"] = sum(p.numel() for p in params)
     results["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
