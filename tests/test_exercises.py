@@ -44,7 +44,7 @@ def test_generator_replaces_regions_and_keeps_the_todo_comments():
     [
         (SOLUTION.replace("TODO 2:", "TODO 1:"), "numbered 1, 2, 3"),  # a repeated number
         (SOLUTION.replace("TODO 2:", "TODO 3:"), "numbered 1, 2, 3"),  # a gap
-        (SOLUTION.replace("    # END SOLUTION\n    return", "    return"), "not closed"),
+        (SOLUTION.replace("    # END SOLUTION\n    return", "    return"), "has no # END SOLUTION"),
         (SOLUTION.replace("    # TODO 1: double it. Multiply by two.\n", ""), "without a '# TODO n"),
         (SOLUTION.replace("    # BEGIN SOLUTION\n    x = x * 2", "    x = x * 2"), "not followed by"),
     ],
@@ -79,11 +79,13 @@ def test_every_lesson_has_its_notebook_sbatch_and_todos_cited_by_number():
 
 
 UNTOUCHED = [p for p, text in expected_exercises().items() if p.exists() and p.read_text() == text]
+SINGLE_PROCESS_LESSONS = {"00"}  # the single-device baseline refuses a world size above 1
 
 
 @pytest.mark.parametrize("exercise", UNTOUCHED, ids=lambda p: p.stem)
 def test_untouched_exercise_runs_or_stops_at_once_naming_a_todo(exercise, tmp_path):
-    run = torchrun(exercise, 2, ["--steps", "2"], timeout=90)  # a hang fails here, with the output
+    nproc = 1 if exercise.name[:2] in SINGLE_PROCESS_LESSONS else 2
+    run = torchrun(exercise, nproc, ["--steps", "2"], timeout=90)  # a hang fails here, with the output
     if run.returncode != 0:
         assert run.returncode != 0 and re.search(r"ERROR: TODO \d+: .+ is not done yet", run.output), run.tail()
         assert "Traceback" not in run.output.split("ERROR: TODO")[0], "the TODO message must not follow a traceback"
