@@ -11,6 +11,7 @@ gloo and the CPU otherwise, so the lessons run unchanged on a laptop and on the 
 """
 
 import functools
+import gc
 import os
 import socket
 import subprocess
@@ -129,7 +130,11 @@ def run_main(main, *args, **kwargs):
     reach it together, so the job stops at once instead of hanging in a collective.
     """
     try:
-        return main(*args, **kwargs)
+        result = main(*args, **kwargs)
+        # Free what main() built (models hold gloo work handles) while Python is fully alive:
+        # left to interpreter shutdown, gloo's threads can abort the process after a clean run.
+        gc.collect()
+        return result
     except CourseError as error:
         message = str(error)
     except NotImplementedError as error:
