@@ -13,9 +13,11 @@ gloo and the CPU otherwise, so the lessons run unchanged on a laptop and on the 
 import functools
 import gc
 import os
+import re
 import socket
 import subprocess
 import sys
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -123,11 +125,31 @@ def require_world_size(world_size: int, *, divisible_by: int = 1, at_least: int 
         )
 
 
-def run_main(main, *args, **kwargs):
-    """Call `main`; a CourseError or an unfinished TODO becomes one line on stderr and exit code 2.
+def _lost_peer(error: BaseException) -> bool:
+    """Is this the error a collective raises when another rank died, hung or skipped it?"""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        sign in text for sign in ("Timed out", "Connection closed by peer", "Connection reset by peer", "timed out")
+    )
 
-    In an exercise, each unfinished TODO is `raise NotImplementedError("TODO n: ...")`; all ranks
-    reach it together, so the job stops at once instead of hanging in a collective.
+
+def _where_in_course_code(error: BaseException) -> str:
+    """file:line of the innermost frame outside torch: the collective call the learner wrote."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "site-packages" not in f.filename]
+    if not frames:
+        return "?"
+    frame = frames[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} ({frame.line})"
+
+
+def run_main(main, *args, **kwargs):
+    """Call `main`; turn the errors a learner can fix into one line on stderr and exit code 2.
+
+    - a CourseError (wrong world size, missing dataset, ...) prints its message;
+    - an unfinished TODO in an exercise, `raise NotImplementedError("TODO n: ...")`, names the TODO
+      (all ranks reach it together, so the job stops at once instead of hanging in a collective);
+    - a collective that failed because another rank crashed, hung or skipped it says so and where,
+      instead of leaving only a traceback from inside torch.
     """
     try:
         result = main(*args, **kwargs)
@@ -141,6 +163,16 @@ def run_main(main, *args, **kwargs):
         if not str(error).startswith("TODO"):
             raise
         message = f"{error} is not done yet in {sys.argv[0]}: complete it, then run again."
+    except RuntimeError as error:
+        if not _lost_peer(error):
+            raise
+        # "[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset by peer. This is ..." -> the gist
+        gist = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0]).split(". ")[0]
+        timeout = os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+        message = (
+            f"the collective at {_where_in_course_code(error)} failed ({gist}). Another rank crashed, is stuck, "
+            f"or skipped this collective (timeout: COURSE_TIMEOUT_S={timeout} s); the first error printed is the cause."
+        )
     print(f"[rank {os.environ.get('RANK', '0')}] ERROR: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
