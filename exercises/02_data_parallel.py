@@ -47,7 +47,7 @@ def main():
     #   global batch = micro-batch per rank (--batch-size) x micro-batches per step (--grad-accum) x ranks.
     #   Compute `global_batch_size` and print it once (print0), as the recipe.
     if world_size > 1:
-        raise NotImplementedError("TODO 1: the global batch recipe (this script is still single-device)")
+        raise NotImplementedError("TODO 1: the global batch recipe")  # lesson 00 ran one process only
     global_batch_size = args.batch_size * args.grad_accum
 
     # Data: fixed-length blocks of tokens, every rank with the whole data set (utils.sharding shows other ways).
@@ -149,6 +149,9 @@ def main():
         bus_bytes_per_step=None if allreduce_bytes is None else bus_bytes(allreduce_bytes, world_size),
     )
     print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
+    # DDP keeps a reference to the process group: free it while the group still exists. (Freed only after
+    # destroy_process_group, the group's last reference goes with it, and gloo's teardown can deadlock.)
+    del model, optimizer
     destroy_process_group()
 
 

@@ -93,6 +93,7 @@ def main():
     results["bus_bytes"] = bus_bytes(results["param_bytes"], world_size)
     if rank == 0:
         Path(sys.argv[1]).write_text(json.dumps(results, indent=2))
+    del model  # DDP holds the process group: free it before the group goes (else gloo's teardown can hang)
     destroy_process_group()
 
 
