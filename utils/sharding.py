@@ -19,11 +19,12 @@ different b of them, every sample of the epoch exactly once, and all ranks the s
 Uneven sizes: 1, 3 and 4 pad the last round by repeating samples from the start of the epoch's order
 (or drop it with drop_last=True); 2 cannot go back in a stream, so it drops the last incomplete round.
 
-    torchrun --nproc_per_node=2 -m utils.sharding --benchmark    # memory and time per batch of each
+    torchrun --nproc_per_node=2 utils/sharding.py --benchmark    # memory and time per batch of each
 """
 
 import argparse
 import gc
+import json
 import math
 import os
 import resource
@@ -326,6 +327,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per batch")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batches", type=int, default=50, help="batches timed per strategy")
+    parser.add_argument("--metrics-out", type=Path, default=None, help="also write the table here (JSON)")
     args = parser.parse_args()
     if not args.benchmark:
         parser.print_help()
@@ -340,6 +342,9 @@ def main():
                 f"{row['strategy']:<26} {row['rank0_mb']:>10.1f} {row['other_ranks_mb']:>10.1f}"
                 f" {row['first_batch_s']:>12.2f} {row['ms_per_batch']:>9.2f}"
             )
+        if args.metrics_out:
+            record = {"world_size": dist.get_world_size(), "megabytes": args.megabytes, "rows": rows}
+            args.metrics_out.write_text(json.dumps(record, indent=2) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 
