@@ -80,12 +80,12 @@ class DataParallel(nn.Module):
         self.allreduce_bytes = 0  # bytes of gradients all-reduced so far, all steps together
         self.buckets_overlapped = 0  # of its buckets, how many were launched while backward was still running
 
-        # 1. Same starting point everywhere: rank 0's parameters (and buffers) overwrite the others'.
+        # Idea 1. Same starting point everywhere: rank 0's parameters (and buffers) overwrite the others'.
         with torch.no_grad():
             for tensor in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(tensor, src=0)
 
-        # 3. Buckets, filled in reverse order of the parameters: backward produces the last layers'
+        # Idea 3. Buckets, filled in reverse order of the parameters: backward produces the last layers'
         # gradients first. The order depends only on the model, so it is the same on every rank;
         # and we launch buckets strictly in this order (below), so every rank issues the same
         # sequence of all-reduces even if hooks fire in a different order.
@@ -104,7 +104,7 @@ class DataParallel(nn.Module):
         self._next_to_launch = 0  # buckets are launched in list order: this one is next
         self._syncing = False  # True from the first hook of a synchronising backward until its end
 
-        # 2. A hook per parameter, called by autograd right after p.grad has been accumulated.
+        # Idea 2. A hook per parameter, called by autograd right after p.grad has been accumulated.
         for p in module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._gradient_ready)
