@@ -6,11 +6,12 @@ hanging the suite. The script's metrics JSON (--metrics-out) comes back as a dic
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,6 +36,21 @@ class Run:
             f"`{' '.join(map(str, self.command))}` exited {self.returncode}. Its last lines:\n{self.tail()}"
         )
         return self
+
+
+def _kill_tree(pid: int):
+    """Kill torchrun and every rank it started (the ranks run in sessions of their own)."""
+    try:
+        parent = psutil.Process(pid)
+        family = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=10)
 
 
 def course_env(**extra) -> dict:
@@ -77,16 +93,17 @@ def python(script, args=(), *, tmp_path=None, timeout: float = 120, env=None) ->
 
 
 def _run(command, timeout, env, metrics_path) -> Run:
-    # A session of its own, so that a timeout kills torchrun and every rank it started.
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
     )  # fmt: skip
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+        _kill_tree(process.pid)
+        try:  # a rank that escaped the kill may still hold the pipe open: don't wait for it forever
+            output, _ = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            output = "(no output: the processes did not exit after being killed)"
         tail = "\n".join(output.splitlines()[-40:])
         raise AssertionError(
             f"`{' '.join(command)}` did not finish within {timeout} s. Its last lines:\n{tail}"
