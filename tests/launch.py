@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
+from utils.notebook import kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,21 +36,6 @@ class Run:
             f"`{' '.join(map(str, self.command))}` exited {self.returncode}. Its last lines:\n{self.tail()}"
         )
         return self
-
-
-def _kill_tree(pid: int):
-    """Kill torchrun and every rank it started (the ranks run in sessions of their own)."""
-    try:
-        parent = psutil.Process(pid)
-        family = [*parent.children(recursive=True), parent]
-    except psutil.NoSuchProcess:
-        return
-    for process in family:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(family, timeout=10)
 
 
 def course_env(**extra) -> dict:
@@ -99,7 +84,7 @@ def _run(command, timeout, env, metrics_path) -> Run:
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(process.pid)
+        kill_tree(process.pid)
         try:  # a rank that escaped the kill may still hold the pipe open: don't wait for it forever
             output, _ = process.communicate(timeout=10)
         except subprocess.TimeoutExpired:

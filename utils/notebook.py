@@ -14,7 +14,24 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def kill_tree(pid: int):
+    """Kill torchrun and every rank it started (the ranks run in sessions of their own)."""
+    try:
+        parent = psutil.Process(pid)
+        family = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=10)
 
 
 def torchrun(script, nproc: int = 2, args=(), *, show: bool = True, timeout: float = 300) -> dict:
@@ -28,10 +45,16 @@ def torchrun(script, nproc: int = 2, args=(), *, show: bool = True, timeout: flo
         ]  # fmt: skip
         # One thread per process: the ranks share the machine's cores (and torchrun stays quiet).
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        process = subprocess.Popen(command, cwd=ROOT, env=env, text=True, **pipes)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(process.pid)
+            raise RuntimeError(f"{script} did not finish within {timeout} s: stopped it and its ranks") from None
         if show:
-            print(result.stdout, end="")
-        if result.returncode != 0:
-            tail = "\n".join(result.stderr.splitlines()[-15:])
-            raise RuntimeError(f"{script} failed (exit code {result.returncode}):\n{tail}")
+            print(stdout, end="")
+        if process.returncode != 0:
+            tail = "\n".join(stderr.splitlines()[-15:])
+            raise RuntimeError(f"{script} failed (exit code {process.returncode}):\n{tail}")
         return json.loads(metrics_path.read_text())
