@@ -20,4 +20,3 @@ def test_a_rank_that_crashes_or_skips_a_collective_ends_the_job_with_a_message(m
     assert "Another rank crashed, is stuck, or skipped this collective" in run.output, run.tail()
     if mode == "skip":
         assert "Timed out" in run.output, run.tail()
-
