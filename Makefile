@@ -30,7 +30,7 @@ test: lint
 	$(BIN)/python -m pytest tests/ notebooks/ --nbval
 
 check: setup
-	$(BIN)/python -m pytest tests/test_$(LESSON)_*.py --target exercises
+	$(BIN)/python -m pytest tests/test_$(LESSON)_*.py --target exercises --tb=line -q  # one line per failing check, naming its TODO
 
 exercises: setup
 	$(BIN)/python -m utils.make_exercises
