@@ -1,7 +1,6 @@
 """utils/distributed_utils.py under torchrun with 2 and 4 processes, under srun-style variables, and alone."""
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -9,6 +8,7 @@ import pytest
 import torch
 
 from tests.launch import ROOT, course_env, python, torchrun
+from utils.distributed_utils import free_port
 
 WORKER = ROOT / "tests" / "workers" / "utils_check.py"
 
@@ -54,12 +54,6 @@ def srun_like_env(rank: int, ntasks: int, port: int) -> dict:
         COURSE_TIMEOUT_S="20",
     )
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_setup_under_srun_without_torchrun(tmp_path):

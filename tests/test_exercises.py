@@ -87,5 +87,5 @@ def test_untouched_exercise_runs_or_stops_at_once_naming_a_todo(exercise, tmp_pa
     nproc = 1 if exercise.name[:2] in SINGLE_PROCESS_LESSONS else 2
     run = torchrun(exercise, nproc, ["--steps", "2"], timeout=90)  # a hang fails here, with the output
     if run.returncode != 0:
-        assert run.returncode != 0 and re.search(r"ERROR: TODO \d+: .+ is not done yet", run.output), run.tail()
+        assert re.search(r"ERROR: TODO \d+: .+ is not done yet", run.output), run.tail()
         assert "Traceback" not in run.output.split("ERROR: TODO")[0], "the TODO message must not follow a traceback"

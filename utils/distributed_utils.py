@@ -45,7 +45,8 @@ class CourseError(RuntimeError):
 # --------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a rendezvous on this machine."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -76,7 +77,7 @@ def _launcher_environment() -> tuple[int, int, int]:
         )
     # Plain `python script.py`: a world of one on this machine.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     return 0, 0, 1
 
 
