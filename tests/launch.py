@@ -59,22 +59,23 @@ def torchrun(script, nproc: int, args=(), *, tmp_path=None, timeout: float = 180
         "--standalone", f"--nproc_per_node={nproc}",
         str(script), *map(str, args),
     ]  # fmt: skip
-    metrics_path = None
-    if tmp_path is not None:
-        metrics_path = Path(tmp_path) / f"metrics-{Path(script).stem}-{nproc}.json"
-        metrics_path.unlink(missing_ok=True)
-        command += ["--metrics-out", str(metrics_path)]
-    return _run(command, timeout, env or course_env(), metrics_path)
+    return _run(command, timeout, env or course_env(), _metrics_path(command, script, tmp_path, str(nproc)))
 
 
 def python(script, args=(), *, tmp_path=None, timeout: float = 120, env=None) -> Run:
     """Run `script` as a plain `python script.py` (a world of one, no torchrun)."""
     command = [sys.executable, str(script), *map(str, args)]
-    metrics_path = None
-    if tmp_path is not None:
-        metrics_path = Path(tmp_path) / f"metrics-{Path(script).stem}-python.json"
-        command += ["--metrics-out", str(metrics_path)]
-    return _run(command, timeout, env or course_env(), metrics_path)
+    return _run(command, timeout, env or course_env(), _metrics_path(command, script, tmp_path, "python"))
+
+
+def _metrics_path(command: list, script, tmp_path, tag: str) -> Path | None:
+    """Add `--metrics-out` to `command` (a fresh file in tmp_path) when tmp_path is given."""
+    if tmp_path is None:
+        return None
+    path = Path(tmp_path) / f"metrics-{Path(script).stem}-{tag}.json"
+    path.unlink(missing_ok=True)  # a stale file from an earlier run must not pass for this run's
+    command += ["--metrics-out", str(path)]
+    return path
 
 
 def _run(command, timeout, env, metrics_path) -> Run:

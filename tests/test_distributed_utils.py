@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.launch import ROOT, course_env, python, torchrun
+from tests.workers.utils_check import batch, small_model
 from utils.distributed_utils import free_port
 
 WORKER = ROOT / "tests" / "workers" / "utils_check.py"
@@ -109,8 +110,6 @@ def test_sharded_checkpoint_saved_at_4_ranks_loads_at_2_with_identical_values(sa
 def test_full_checkpoint_of_a_sharded_model_equals_one_process_training(saved_at_4_ranks):
     """save_full_model gathers FSDP shards into the model one process would have trained."""
     saved = torch.load(saved_at_4_ranks / "full.pt")
-    sys.path.insert(0, str(WORKER.parent))
-    from utils_check import batch, small_model
 
     model = small_model(seed=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
