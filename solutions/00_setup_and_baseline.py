@@ -23,7 +23,7 @@ from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
-from utils.training import Logger, Throughput, base_parser, build_optimizer, model_config
+from utils.training import Logger, Throughput, base_parser, build_optimizer, check_batches, model_config, parse_args
 
 
 def batches(loader):
@@ -33,7 +33,7 @@ def batches(loader):
 
 
 def main():
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    args = parse_args(base_parser(__doc__.splitlines()[0]))
     local_rank, rank, device, world_size = setup(args.seed)
     if world_size > 1:
         raise CourseError(
@@ -43,6 +43,7 @@ def main():
 
     # Data: fixed-length blocks of tokens, in an order drawn from a generator seeded by --seed.
     train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train), args)  # at least one full batch per epoch, else the data loop never yields
     generator = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=generator)
 

@@ -29,15 +29,24 @@ from utils.ddp_scratch import DataParallel, bus_bytes
 from utils.distributed_utils import destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
-from utils.training import Logger, Throughput, base_parser, build_optimizer, model_config
+from utils.training import (
+    Logger,
+    Throughput,
+    base_parser,
+    build_optimizer,
+    check_batches,
+    model_config,
+    parse_args,
+    positive_int,
+)
 
 
 def main():
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--ddp", choices=["builtin", "scratch"], default="builtin", help="which data parallelism")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
+    parser.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size (both --ddp)")
-    args = parser.parse_args()
+    args = parse_args(parser)
     local_rank, rank, device, world_size = setup(args.seed)
 
     # TODO 1: the global batch recipe. Lesson 00 refused to run with more than one process; here every
@@ -58,6 +67,7 @@ def main():
 
     # Data: fixed-length blocks of tokens, every rank with the whole data set (utils.sharding shows other ways).
     train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train), args, world_size, per_step=args.grad_accum)  # else some rank waits for data forever
     # TODO 2: shard the data with a DistributedSampler. Every rank draws the same shuffled order (same seed)
     #   and keeps every world_size-th sample, so the ranks' batches are disjoint slices of one global batch.
     #   drop_last=True drops the last few samples instead of padding the epoch by repeating some.

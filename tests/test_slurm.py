@@ -65,10 +65,16 @@ def workdir(request):
 
 
 @pytest.fixture(scope="module")
-def lesson_jobs(cluster, workdir, target):
-    """Submit every lesson's sbatch file at once (they run side by side); each test waits for its own."""
+def lesson_jobs(cluster, workdir, target, request):
+    """Submit the selected lessons' sbatch files at once (they run side by side); each test waits for its own.
+    (`pytest tests/test_slurm.py -k 03_` submits lesson 03's files only.)"""
+    selected = {
+        item.callspec.params["sbatch_file"]
+        for item in request.session.items
+        if item.originalname == "test_sbatch_file_runs_on_slurm" and hasattr(item, "callspec")
+    }
     jobs = {}
-    for sbatch_file in SBATCH_FILES:
+    for sbatch_file in [f for f in SBATCH_FILES if f in selected]:
         metrics = workdir / f"{sbatch_file.stem}.json"
         args = [target, "--steps", STEPS, "--metrics-out", metrics]
         try:

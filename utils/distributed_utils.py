@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+import utils.compat  # noqa: F401  (older torch gets the collective names the lessons use)
+
 # A collective that waits longer than this is a bug (a rank crashed, a rank skipped a collective,
 # the world size is wrong): fail with a message instead of hanging forever. COURSE_TIMEOUT_S overrides.
 DEFAULT_TIMEOUT_S = 60
@@ -89,8 +91,16 @@ def setup(seed: int = 0, timeout_s: float | None = None) -> tuple[int, int, torc
     """
     local_rank, rank, world_size = _launcher_environment()
     if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:  # two ranks on one GPU would deadlock NCCL or run out of memory: refuse
+            local_ranks = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or "?"
+            raise CourseError(
+                f"rank {rank}: {local_ranks} processes on this node but only {gpus} visible GPU(s); "
+                f"start at most {gpus} per node (--nproc_per_node={gpus}), or hide the GPUs "
+                "(CUDA_VISIBLE_DEVICES=) to run on the CPU with gloo."
+            )
+        backend, device = "nccl", torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before the process group: NCCL binds each rank to its GPU
     else:
         backend, device = "gloo", torch.device("cpu")
     timeout_s = timeout_s or float(os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S))

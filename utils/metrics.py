@@ -68,3 +68,64 @@ def write_metrics(path, **fields):
 
 def read_metrics(path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+class SavedActivations:
+    """Bytes autograd keeps for backward (activations), measured while a forward and backward run inside:
+
+        with SavedActivations(exclude=model.parameters()) as saved:
+            loss_fn(model(x), y).backward()
+        saved.peak_bytes   # the most bytes held at once between the forward and the backward
+
+    Every tensor an operation saves for its backward passes through `saved_tensors_hooks`; we count each
+    storage once while any saved reference to it lives, so a tensor saved by two operations counts once.
+    Parameters (which layers also save) are excluded: they are model state, not activations.
+    """
+
+    def __init__(self, exclude=()):
+        self.excluded = {_storage_key(t) for t in exclude}
+        self.held: dict[int, list] = {}  # storage -> [bytes, number of saved references alive]
+        self.current_bytes = self.peak_bytes = 0
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor):
+        key = _storage_key(tensor)
+        if key in self.excluded:
+            return tensor
+        entry = self.held.setdefault(key, [_local(tensor).untyped_storage().nbytes(), 0])
+        if entry[1] == 0:
+            self.current_bytes += entry[0]
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        entry[1] += 1
+        return _SavedReference(tensor, key, self)
+
+    def _unpack(self, packed):
+        return packed.tensor if isinstance(packed, _SavedReference) else packed
+
+    def _release(self, key):
+        entry = self.held[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current_bytes -= entry[0]
+            del self.held[key]
+
+
+class _SavedReference:
+    """What autograd stores instead of a saved tensor; freeing it (after backward) releases the bytes."""
+
+    def __init__(self, tensor, key, owner):
+        self.tensor, self.key, self.owner = tensor, key, owner
+
+    def __del__(self):
+        self.owner._release(self.key)
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return _local(tensor).untyped_storage().data_ptr()

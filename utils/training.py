@@ -7,41 +7,140 @@ what does not change from one lesson to the next.
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from utils.data import DATASETS
-from utils.distributed_utils import is_root_process
+from utils.distributed_utils import CourseError, is_root_process
 from utils.model import TINY, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """The command line every training script accepts; a lesson adds its own options to it."""
+# --------------------------------------------------------------------------------------------------
+# The command line: parsed and checked once, before any process group or data exists
+# --------------------------------------------------------------------------------------------------
+
+
+class CourseArgumentParser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (the option, what is wrong, a valid value) and exit code 2."""
+
+    def error(self, message: str):
+        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (a size or a count of steps, ranks, micro-batches)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a number >= 0 (a learning rate, a ratio)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def base_parser(description: str) -> CourseArgumentParser:
+    """The command line every training script accepts; a lesson adds its own options, then calls parse_args."""
     script = Path(sys.argv[0]).stem
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    parser = CourseArgumentParser(description=description)
+    parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step on each rank")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step on each rank")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw", help="parity checks use sgd")
-    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.2 for sgd, 3e-3 for adamw)")
+    parser.add_argument(
+        "--lr", type=non_negative_float, default=None, help="learning rate (default: 0.2 for sgd, 3e-3 for adamw)"
+    )
     parser.add_argument("--dataset", choices=DATASETS, default="synthetic", help="synthetic needs no download")
     parser.add_argument(
         "--data-dir", type=Path, default=None, help="prepared data sets (default: $COURSE_DATA or data/)"
     )
-    parser.add_argument("--seq-len", type=int, default=TINY.seq_len, help="tokens per sequence")
-    parser.add_argument("--dim", type=int, default=TINY.dim, help="model width")
-    parser.add_argument("--n-layers", type=int, default=TINY.n_layers, help="transformer blocks")
-    parser.add_argument("--n-heads", type=int, default=TINY.n_heads, help="attention heads")
+    parser.add_argument("--seq-len", type=positive_int, default=TINY.seq_len, help="tokens per sequence")
+    parser.add_argument("--dim", type=positive_int, default=TINY.dim, help="model width")
+    parser.add_argument("--n-layers", type=positive_int, default=TINY.n_layers, help="transformer blocks")
+    parser.add_argument("--n-heads", type=positive_int, default=TINY.n_heads, help="attention heads")
     parser.add_argument("--metrics-out", type=Path, default=None, help="write the run's metrics here (JSON)")
     parser.add_argument("--log-dir", type=Path, default=ROOT / "runs" / script, help="tensorboard event files")
-    parser.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
+    parser.add_argument("--log-every", type=positive_int, default=10, help="print the loss every N steps")
     parser.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (offline by default)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="save the trained model and optimizer here")
     return parser
+
+
+# Options that name a file the script writes, and options that name a folder it writes into.
+OUTPUT_FILES = ("metrics_out", "checkpoint")
+OUTPUT_FOLDERS = ("log_dir",)
+
+
+def _unwritable(path: Path, folder: bool) -> str | None:
+    """Why the script could not create `path` (a file, or a folder when `folder`), or None if it can."""
+    path = path.expanduser().resolve()
+    if folder and path.exists() and not path.is_dir():
+        return f"{path} exists and is not a folder"
+    if not folder and path.is_dir():
+        return f"{path} is a folder, not a file"
+    existing = path if folder and path.is_dir() else path.parent
+    while not existing.exists():  # the folders that do not exist yet are created by the script
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:  # try it: permissions, read-only and special file systems (/proc) all show up here, even for root
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        return f"{existing} is not writable ({error.strerror})"
+    return None
+
+
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse and check the command line once, for every lesson: each mistake ends the script at once with
+    one line naming the option and a valid value, before any process waits for another."""
+    args = parser.parse_args(argv)
+    if hasattr(args, "dim") and hasattr(args, "n_heads") and args.dim % args.n_heads:
+        divisors = [h for h in range(1, args.dim + 1) if args.dim % h == 0][:8]
+        parser.error(
+            f"argument --n-heads: --dim {args.dim} must split into --n-heads {args.n_heads} equal heads; "
+            f"choose --n-heads from {', '.join(map(str, divisors))}, ... (or another --dim)"
+        )
+    for name in OUTPUT_FILES + OUTPUT_FOLDERS:
+        path = getattr(args, name, None)
+        problem = path is not None and _unwritable(Path(path), folder=name in OUTPUT_FOLDERS)
+        if problem:
+            option = "--" + name.replace("_", "-")
+            parser.error(f"argument {option}: cannot write {path}: {problem}; choose a location you can write to")
+    return args
+
+
+def check_batches(n_samples: int, args, world_size: int = 1, per_step: int = 1, what: str = "rank"):
+    """Refuse a run in which some rank would get no full batch in an epoch (its data loop would never yield).
+
+    n_samples: blocks in the data set; each of `world_size` ranks gets n_samples // world_size of them
+    and needs per_step batches of --batch-size (e.g. --grad-accum micro-batches) for one optimizer step.
+    """
+    share = n_samples // world_size
+    needed = args.batch_size * per_step
+    if share < needed:
+        largest = max(share // per_step, 0)
+        fix = f"use --batch-size {largest} or less" if largest else "use fewer ranks"
+        raise CourseError(
+            f"--batch-size {args.batch_size} is too large: {args.dataset} has {n_samples} blocks of "
+            f"{args.seq_len + 1} tokens, {share} per {what} over {world_size}, and one step needs {needed}; "
+            f"{fix}, or a shorter --seq-len"
+        )
 
 
 def model_config(args) -> ModelConfig:
