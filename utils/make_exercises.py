@@ -21,6 +21,7 @@ pre-lesson code, put that code, commented out, after a `# EXERCISE` line inside 
     # END SOLUTION
 
     python -m utils.make_exercises           # write every exercise
+    python -m utils.make_exercises --lesson 03  # one lesson's exercise only
     python -m utils.make_exercises --check   # exit 1 if an exercise is stale (what the tests run)
 """
 
@@ -109,20 +110,21 @@ def make_exercise(solution_text: str, name: str) -> tuple[str, list[Todo]]:
     return GENERATED_NOTE.format(lesson=name[:2], name=name) + "\n".join(out) + "\n", todos
 
 
-def expected_exercises(root: Path = ROOT) -> dict[Path, str]:
-    """Map each exercise path to the text the current solutions generate."""
+def expected_exercises(root: Path = ROOT, lesson: str = "[0-9][0-9]") -> dict[Path, str]:
+    """Map each exercise path (of one lesson, e.g. lesson="03", or all) to the text its solution generates."""
     return {
         root / "exercises" / solution.name: make_exercise(solution.read_text(), solution.name)[0]
-        for solution in sorted((root / "solutions").glob("[0-9][0-9]_*.py"))
+        for solution in sorted((root / "solutions").glob(f"{lesson}_*.py"))
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="only check that exercises/ is up to date")
+    parser.add_argument("--lesson", default="[0-9][0-9]", help="only this lesson's exercise, e.g. 03")
     args = parser.parse_args()
     try:
-        expected = expected_exercises()
+        expected = expected_exercises(lesson=args.lesson)
     except MarkerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
