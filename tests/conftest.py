@@ -9,6 +9,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `import utils` and `from tests.launch import ...` from any directory
 
 
+def pytest_configure(config):
+    if config.getoption("--target", default="solutions") == "exercises":
+        from tests.todo_report import TodoReport
+
+        config.pluginmanager.register(TodoReport(), "todo-report")  # one line per TODO at the end
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--target",

@@ -1,0 +1,103 @@
+"""`make check LESSON=NN`: what a learner reads after checking an exercise, one line per TODO.
+
+    TODO 1  ring reduce-scatter phase ......... passing
+    TODO 2  ring all-gather phase ............. not started
+    TODO 3  all-reduce from two collectives ... failing: tensor of shape [7]: differs from the library by 2.0
+    2 of 3 TODOs done
+
+A test belongs to the TODOs its name gives (`test_todo3_...`, `test_todos_1_2_...`); other tests are
+"other checks". A TODO is "not started" when the learner's exercise still has the generated text between
+its comment and the next TODO's, "passing" when all its tests pass, else "failing" with the first
+failure's message (the tests' messages start by naming the TODO and say what to fix).
+"""
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from utils.make_exercises import TODO_HEADER, make_exercise
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_TODOS = re.compile(r"^test_todos?_?((?:\d+_)+)")
+
+
+def todos_of(test_name: str) -> list[int]:
+    match = TEST_TODOS.match(test_name)
+    return [int(n) for n in match.group(1).strip("_").split("_")] if match else []
+
+
+def sections(text: str) -> dict[int, list[str]]:
+    """TODO number -> the lines the learner edits for it: from its header to the next TODO header or to the
+    end of the block that holds it (the first line indented less than the header)."""
+    result, current, indent = {}, None, 0
+    for line in text.splitlines():
+        match = TODO_HEADER.match(line)
+        if match:
+            current, indent = int(match.group(2)), len(match.group(1))
+            result[current] = []
+        elif current is not None and line.strip() and len(line) - len(line.lstrip()) < indent:
+            current = None
+        if current is not None:
+            result[current].append(line.rstrip())
+    return result
+
+
+def one_line(report) -> str:
+    """The failure's own message, first line, without pytest's assertion rewriting or the exception name."""
+    stopped = re.search(r"ERROR: (TODO \d+: .+?) is not done yet", str(report.longrepr))
+    if stopped:  # the script stopped at an unfinished TODO before it could be checked
+        return f"the script stopped at {stopped.group(1)} (not done yet)"
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr)
+    first = text.strip().splitlines()[0] if text.strip() else "failed"
+    first = re.sub(r"^(AssertionError|Failed|RuntimeError|[A-Za-z]+Error):\s*", "", first)
+    first = re.sub(r"^TODO \d+(?: \([^)]*\))?[:,]\s*", "", first)
+    return first if len(first) <= 160 else first[:157] + "..."
+
+
+class TodoReport:
+    """A pytest plugin: collect each test's outcome by lesson and TODO; print the learner's summary."""
+
+    def __init__(self):
+        self.outcomes = defaultdict(lambda: defaultdict(list))  # lesson -> todo (or None) -> [(name, report)]
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":  # setup errors count as failures too
+            lesson = re.match(r"tests/test_(\d\d)_", report.nodeid)
+            if not lesson:
+                return
+            name = report.nodeid.split("::")[-1]
+            for todo in todos_of(name) or [None]:
+                self.outcomes[lesson.group(1)][todo].append((name, report))
+
+    def pytest_terminal_summary(self, terminalreporter):
+        write = terminalreporter.write_line
+        for lesson, by_todo in sorted(self.outcomes.items()):
+            solution = next((ROOT / "solutions").glob(f"{lesson}_*.py"))
+            exercise = ROOT / "exercises" / solution.name
+            generated, todos = make_exercise(solution.read_text(), solution.name)
+            pristine, mine = sections(generated), sections(exercise.read_text()) if exercise.exists() else {}
+            write("")
+            write(f"Lesson {lesson}: exercises/{exercise.name}")
+            done = 0
+            width = max(len(t.title) for t in todos) + 3
+            for todo in todos:
+                results = by_todo.get(todo.number, [])
+                failures = [r for _, r in results if r.outcome == "failed"]
+                untouched = mine.get(todo.number) == pristine.get(todo.number)
+                if results and not failures:
+                    status, done = "passing", done + 1
+                elif untouched:
+                    status = "not started"
+                elif failures:
+                    status = f"failing: {one_line(failures[0])}"
+                else:
+                    status = "no test selected"
+                write(f"  TODO {todo.number:<2} {(todo.title + ' ').ljust(width, '.')} {status}")
+            others = by_todo.get(None, [])
+            failed = [(n, r) for n, r in others if r.outcome == "failed"]
+            if others:
+                write(f"  other checks: {len(others) - len(failed)} of {len(others)} passing")
+                for name, report in failed[:5]:
+                    write(f"    {name}: {one_line(report)}")
+            write(f"{done} of {len(todos)} TODOs done")
