@@ -126,3 +126,29 @@ def test_load_sharded_model_without_a_checkpoint_says_so(tmp_path):
     env.pop("RANK", None)
     run = python(WORKER, ["load", tmp_path], env=env)
     assert run.returncode == 2 and "no distributed checkpoint" in run.output, run.tail()
+
+
+def test_device_check_names_a_tensor_on_the_wrong_device(monkeypatch):
+    """COURSE_CHECK_DEVICE=1 (what `make test-gpu` sets): a collective given a tensor that is not on the
+    rank's device stops with a line naming the collective and the device, before NCCL or gloo see it."""
+    import torch.distributed as dist
+
+    import utils.distributed_utils as du
+
+    for name in du.CHECKED_COLLECTIVES:  # restored after the test: the check wraps torch.distributed's functions
+        monkeypatch.setattr(dist, name, getattr(dist, name))
+    du._check_collective_devices(torch.device("cpu"))
+    with pytest.raises(du.CourseError, match=r"dist.all_reduce got a tensor on meta, but this rank's collectives"):
+        dist.all_reduce(torch.empty(3, device="meta"))
+    with pytest.raises(du.CourseError, match=r"dist.all_gather got a tensor on meta"):
+        dist.all_gather([torch.empty(3, device="meta")], torch.empty(3, device="meta"))
+
+
+def test_library_names_of_newer_torch_exist():
+    """utils/compat.py gives an older torch the 2.13 names the lessons call."""
+    import torch.distributed as dist
+
+    from utils.compat import TORCH_RENAMES
+
+    for new in TORCH_RENAMES:
+        assert callable(getattr(dist, new)), new

@@ -5,7 +5,17 @@ import math
 import pytest
 import torch
 
-from utils.model import GPU_EXAMPLE, TINY, ModelConfig, TransformerLM, build_model, count_parameters, loss_fn
+from utils.model import (
+    GPU_EXAMPLE,
+    TINY,
+    ModelConfig,
+    TransformerLM,
+    build_model,
+    count_parameters,
+    flops_per_token,
+    loss_fn,
+    parameter_breakdown,
+)
 
 
 def test_logits_shape():
@@ -66,3 +76,20 @@ def test_loss_starts_near_uniform():
     tokens = torch.randint(0, TINY.vocab_size, (4, TINY.seq_len))
     loss = loss_fn(model(tokens), tokens)
     assert abs(loss.item() - math.log(TINY.vocab_size)) < 0.1
+
+
+@pytest.mark.parametrize("config", [TINY, GPU_EXAMPLE, ModelConfig(dim=48, n_heads=3, n_layers=5, mlp_ratio=2)])
+def test_parameter_breakdown_adds_up_to_the_built_model(config):
+    parts = parameter_breakdown(config)
+    assert sum(parts.values()) == count_parameters(config)
+    if config is not GPU_EXAMPLE:  # building the large one takes a while; the formula covers it
+        model = build_model(config)
+        assert parts["blocks"] == sum(p.numel() for p in model.blocks.parameters())
+        assert parts["final norm"] == sum(p.numel() for p in model.norm.parameters())
+        assert parts["head"] == sum(p.numel() for p in model.head.parameters())
+
+
+def test_flops_per_token_is_six_per_matmul_parameter_plus_attention():
+    config = ModelConfig(vocab_size=10, seq_len=4, dim=8, n_heads=2, n_layers=1, mlp_ratio=4)
+    matmul = 4 * 8 * 8 + 2 * 8 * 32 + 8 * 10  # q, k, v, o; up and down; the head
+    assert flops_per_token(config) == 6 * matmul + 12 * 4 * 8

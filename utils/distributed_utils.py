@@ -121,8 +121,49 @@ def setup(seed: int = 0, timeout_s: float | None = None) -> tuple[int, int, torc
                 "and that every node can reach MASTER_ADDR."
             ) from error
     _root_cache.cache_clear()
+    if os.environ.get("COURSE_CHECK_DEVICE") == "1":
+        _check_collective_devices(device)
     torch.manual_seed(seed + rank)
     return local_rank, rank, device, world_size
+
+
+# The collectives a lesson calls by name; with COURSE_CHECK_DEVICE=1 each checks its tensors' device first.
+CHECKED_COLLECTIVES = (
+    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_single", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+)  # fmt: skip
+collective_calls_checked = 0
+
+
+def _check_collective_devices(device: torch.device):
+    """Make every collective called through torch.distributed refuse a tensor that is not on `device`.
+
+    NCCL accepts only GPU tensors and gloo only CPU ones, but their own errors do not say which tensor of
+    the course's code was on the wrong device. `make test-gpu` runs every lesson this way.
+    """
+
+    def guarded(name, collective):
+        @functools.wraps(collective)
+        def call(*args, **kwargs):
+            global collective_calls_checked
+            tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, list | tuple) for t in a if isinstance(t, torch.Tensor)]
+            for tensor in tensors:
+                if tensor.device.type != device.type:
+                    raise CourseError(
+                        f"dist.{name} got a tensor on {tensor.device}, but this rank's collectives run on "
+                        f"{device}: create it on `device` (from setup()) or move it there"
+                    )
+            collective_calls_checked += 1
+            return collective(*args, **kwargs)
+
+        return call
+
+    for name in CHECKED_COLLECTIVES:
+        collective = getattr(dist, name)
+        if not getattr(collective, "_course_checked", False):
+            setattr(dist, name, guarded(name, collective))
+            getattr(dist, name)._course_checked = True
 
 
 def require_world_size(world_size: int, *, divisible_by: int = 1, at_least: int = 1, why: str = ""):
@@ -289,6 +330,8 @@ def destroy_process_group():
     crashes at random ("terminate called without an active exception").
     """
     if dist.is_initialized():
+        if os.environ.get("COURSE_CHECK_DEVICE") == "1":
+            print(f"[rank {dist.get_rank()}] device check: {collective_calls_checked} collective calls", flush=True)
         dist.barrier()
         dist.destroy_process_group()
     _root_cache.cache_clear()

@@ -160,6 +160,31 @@ def count_parameters(config: ModelConfig) -> int:
     return embeddings + config.n_layers * per_block + 2 * d + head
 
 
+def parameter_breakdown(config: ModelConfig) -> dict[str, int]:
+    """Where the parameters sit: embeddings, all blocks, the final norm, the head (they add up to count_parameters)."""
+    d, v, hidden = config.dim, config.vocab_size, config.mlp_ratio * config.dim
+    per_block = 4 * (d * d + d) + (d * hidden + hidden) + (hidden * d + d) + 2 * 2 * d
+    return {
+        "token + position embeddings": v * d + config.seq_len * d,
+        "blocks": config.n_layers * per_block,
+        "final norm": 2 * d,
+        "head": d * v + v,
+    }
+
+
+def flops_per_token(config: ModelConfig) -> int:
+    """Floating-point operations to train on one token (forward + backward), the usual estimate:
+
+    6 x (parameters in matrix multiplications) -- 2 per multiply-add forward, 4 backward -- plus the
+    attention scores and their weighted sum, 2 x 2 x seq_len x dim per layer forward (x 3 with backward).
+    Embedding lookups, norms and biases are not matrix multiplications and are left out.
+    """
+    d, hidden = config.dim, config.mlp_ratio * config.dim
+    matmul_params = config.n_layers * (4 * d * d + 2 * d * hidden) + d * config.vocab_size
+    attention = config.n_layers * 3 * 2 * 2 * config.seq_len * d
+    return 6 * matmul_params + attention
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every token of the batch."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
