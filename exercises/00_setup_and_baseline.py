@@ -25,7 +25,16 @@ from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
-from utils.training import Logger, Throughput, base_parser, build_optimizer, check_batches, model_config, parse_args
+from utils.training import (
+    Logger,
+    Throughput,
+    autocast,
+    base_parser,
+    build_optimizer,
+    check_batches,
+    model_config,
+    parse_args,
+)
 
 
 def batches(loader):
@@ -47,7 +56,11 @@ def main():
     train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
     check_batches(len(train), args)  # at least one full batch per epoch, else the data loop never yields
     generator = torch.Generator().manual_seed(args.seed)
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=generator)
+    # On a GPU: page-locked (pinned) batches, copied to the device without blocking the Python thread.
+    pinned = device.type == "cuda"
+    loader = DataLoader(
+        train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=generator, pin_memory=pinned
+    )
 
     # The model: the same weights for the same --seed, on whatever device setup() picked.
     config = model_config(args)
@@ -62,10 +75,11 @@ def main():
     throughput = Throughput(device)
     losses = []
     for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(loader)):
-        inputs, targets = inputs.to(device), targets.to(device)
+        inputs, targets = inputs.to(device, non_blocking=pinned), targets.to(device, non_blocking=pinned)
 
-        # TODO 1: the training step. Compute the logits and the loss (loss_fn), clear the old gradients,
-        #   backpropagate, let the optimizer update the weights, and append the loss's value to `losses`.
+        # TODO 1: the training step. Compute the logits and the loss (loss_fn) inside `autocast(args, device)`
+        #   (bf16 with --autocast bf16, else plain fp32), clear the old gradients, backpropagate (outside
+        #   autocast), let the optimizer update the weights, and append the loss's value to `losses`.
         #   (`.item()` copies the loss to the CPU and waits for the device: once per step is enough.)
         raise NotImplementedError("TODO 1: the training step")
 
@@ -96,6 +110,8 @@ def main():
         bytes_per_rank=state_bytes(model, optimizer),
         optimizer=args.optimizer,
         dataset=args.dataset,
+        autocast=args.autocast,
+        device=device.type,
     )
     print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
     destroy_process_group()

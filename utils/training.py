@@ -79,7 +79,15 @@ def base_parser(description: str) -> CourseArgumentParser:
     parser.add_argument("--log-every", type=positive_int, default=10, help="print the loss every N steps")
     parser.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (offline by default)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="save the trained model and optimizer here")
+    parser.add_argument(
+        "--autocast", choices=["off", "bf16"], default="off", help="bf16 mixed precision for forward (GPU runs)"
+    )
     return parser
+
+
+def autocast(args, device: torch.device):
+    """The forward pass's precision context: bf16 autocast with --autocast bf16 (weights and gradients stay fp32)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=getattr(args, "autocast", "off") == "bf16")
 
 
 # Options that name a file the script writes, and options that name a folder it writes into.
