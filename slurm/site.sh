@@ -12,6 +12,12 @@ SITE_RESERVATION=""    # e.g. "workshop-day1"
 [ -n "$SITE_PARTITION" ] && export SBATCH_PARTITION="$SITE_PARTITION"
 [ -n "$SITE_RESERVATION" ] && export SBATCH_RESERVATION="$SITE_RESERVATION"
 
+# --- notebooks on the cluster: your site's Jupyter service, if it has one. Without one, participants
+# run `sbatch slurm/jupyterlab.sh`, which starts JupyterLab on a compute node and prints the ssh tunnel
+# command to reach it through the login node named here.
+SITE_JUPYTER_URL=""    # e.g. "https://jupyter.hpc.example.org" (then pick the course's kernel there)
+SITE_LOGIN_NODE=""     # e.g. "login.hpc.example.org": the host participants ssh to
+
 # --- inside the job: load modules and activate the course's Python environment.
 site_environment() {
     # module load CUDA/12.4 NCCL Python/3.11    # uncomment and adapt for your site

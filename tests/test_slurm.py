@@ -228,3 +228,20 @@ def test_missing_output_file_is_reported(cluster, workdir):
     assert job.state != "COMPLETED", job.describe()
     with pytest.raises(SlurmError, match="does not exist"):
         read_output(job, wait_s=1)
+
+
+def test_jupyterlab_on_a_compute_node_prints_the_tunnel_and_serves(cluster, workdir):
+    """slurm/jupyterlab.sh (for sites without a Jupyter service): the job prints the ssh tunnel command,
+    then JupyterLab's address with its token; the test cancels the job once both are there."""
+    job = submit(ROOT / "slurm" / "jupyterlab.sh", options=["--time=00:03:00"], cwd=workdir)
+    try:
+        deadline, output = time.monotonic() + 120, ""
+        while time.monotonic() < deadline and "/lab?token=" not in output:
+            time.sleep(1)
+            job.record = job_record(job.job_id) or job.record
+            output = job.output_file.read_text() if job.record.get("StdOut") and job.output_file.is_file() else ""
+        story = job.describe()
+        assert "ssh -N -L" in output, f"no tunnel command in the job's output. {story}"
+        assert "/lab?token=" in output, f"JupyterLab did not print its address within 120 s. {story}"
+    finally:
+        cancel(job)
