@@ -1,0 +1,761 @@
+"""Lesson 03: ZeRO and FSDP. Data parallelism that shards the optimizer state, the gradients, then the parameters.
+
+DDP keeps a full copy of the parameters, gradients and optimizer state on every rank. ZeRO removes the
+copies stage by stage: ZeRO-1 gives each rank 1/N of the optimizer state (ZeroOptimizer), ZeRO-2 also
+1/N of the gradients (reduce-scatter instead of all-reduce), ZeRO-3 also 1/N of the parameters (Zero3:
+each block's parameters are all-gathered just before they are used and freed right after). All are
+built here from torch.distributed collectives, then replaced by PyTorch's FSDP2 (`fully_shard`) and its
+hybrid form HSDP (shard inside a node, replicate across nodes), with bf16 compute and distributed
+checkpoints that load at another world size. Every strategy trains exactly like one process.
+
+    torchrun --nproc_per_node=4 solutions/03_zero_fsdp.py                        # FSDP2 (default)
+    torchrun --nproc_per_node=4 solutions/03_zero_fsdp.py --strategy zero3       # the hand-written ZeRO-3
+    torchrun --nproc_per_node=4 solutions/03_zero_fsdp.py --strategy all         # each strategy in turn
+    torchrun --nproc_per_node=4 solutions/03_zero_fsdp.py --precision bf16 --save-dcp runs/ckpt
+    torchrun --nproc_per_node=2 solutions/03_zero_fsdp.py --resume runs/ckpt --steps 400   # 4 ranks -> 2
+    sbatch slurm/03_zero_fsdp_hsdp_2nodes.sbatch solutions --strategy hsdp       # 2 nodes x 4 GPUs
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import warnings
+from contextlib import nullcontext
+from itertools import count
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from utils.data import load_token_dataset
+from utils.distributed_utils import (
+    CourseError,
+    destroy_process_group,
+    is_root_process,
+    load_sharded_model,
+    print0,
+    run_main,
+    save0,
+    save_full_model,
+    save_sharded_model,
+    setup,
+)
+from utils.memory import model_state_bytes, padded_numel
+from utils.metrics import SavedActivations, param_checksum, state_bytes, write_metrics
+from utils.model import build_model, count_parameters, loss_fn
+from utils.training import (
+    DEFAULT_LR,
+    Throughput,
+    base_parser,
+    check_batches,
+    model_config,
+    non_negative_float,
+    parse_args,
+    positive_int,
+)
+
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
+STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}  # what each strategy shards
+
+# --------------------------------------------------------------------------------------------------
+# Bytes on the wire: every collective of the hand-written strategies goes through these three functions
+# --------------------------------------------------------------------------------------------------
+
+WIRE = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}  # bytes of the full tensor, per collective kind
+
+
+def all_reduce(tensor, group=None):
+    WIRE["all_reduce"] += tensor.numel() * tensor.element_size()
+    dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+
+
+def all_gather(full, shard, group=None):
+    """Every rank's `shard`, concatenated in rank order, into `full` (world size x shard elements)."""
+    WIRE["all_gather"] += full.numel() * full.element_size()
+    dist.all_gather_single(full, shard, group=group)
+
+
+def reduce_scatter(shard, full, group=None):
+    """The average over ranks of `full`, of which this rank receives its own slice into `shard`."""
+    WIRE["reduce_scatter"] += full.numel() * full.element_size()
+    dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG, group=group)
+
+
+def wire_volume(wire: dict) -> int:
+    """In units of 'one reduce-scatter or one all-gather of the data': an all-reduce is both, so it counts twice.
+    A ring moves (N-1)/N of this volume through each rank's link (the bus bytes)."""
+    return 2 * wire["all_reduce"] + wire["all_gather"] + wire["reduce_scatter"]
+
+
+def counting_allreduce_hook(process_group, bucket):
+    """DDP's own all-reduce of a gradient bucket, counted like the hand-written collectives."""
+    WIRE["all_reduce"] += bucket.buffer().numel() * bucket.buffer().element_size()
+    return default_hooks.allreduce_hook(process_group, bucket)
+
+
+# --------------------------------------------------------------------------------------------------
+# ZeRO-1 and ZeRO-2: an optimizer that keeps state for 1/N of the parameters
+# --------------------------------------------------------------------------------------------------
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 (shard_gradients=False) or ZeRO-2 (True) around any torch optimizer class:
+
+        optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+
+    Each parameter group's trainable parameters become views of one flat buffer; rank r owns the slice
+    [r * S, (r + 1) * S) of it (S = ceil(numel / N); the last rank's slice may be shorter), and the inner
+    optimizer holds state for that slice only. state_dict() is this rank's shard (its inner optimizer's).
+    """
+
+    def __init__(self, params, optimizer_cls, *, shard_gradients=False, group=None, **optimizer_kwargs):
+        super().__init__(params, optimizer_kwargs)
+        self.group, self.shard_gradients = group, shard_gradients
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.flats = []  # per parameter group: {params, flat, lo, hi, shard_numel, shard}
+        inner_groups = []
+        for param_group in self.param_groups:
+            params = [p for p in param_group["params"] if p.requires_grad]  # frozen ones stay as they are
+            numel = sum(p.numel() for p in params)
+            flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+            offset = 0
+            for p in params:  # the model's parameters become views of the flat buffer: updating it updates them
+                flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            # TODO 1: this rank's shard of the optimizer state. Each rank owns the slice [lo, hi) of the flat
+            #   buffer, S = ceil(numel / world_size) elements from rank * S (clipped to numel, so the last
+            #   rank's may be shorter), and gives the inner optimizer that slice alone (a view of `flat`):
+            #   its state (AdamW's two moments) then exists only for 1/N of the parameters.
+            # BEGIN SOLUTION
+            shard_numel = math.ceil(numel / self.world_size)
+            lo, hi = min(self.rank * shard_numel, numel), min((self.rank + 1) * shard_numel, numel)
+            shard = flat[lo:hi]
+            # EXERCISE
+            # shard_numel, lo, hi = numel, 0, numel  # every rank steps everything: DDP's optimizer
+            # shard = flat
+            # END SOLUTION
+            self.flats.append(dict(params=params, flat=flat, lo=lo, hi=hi, shard_numel=shard_numel, shard=shard))
+            options = {k: v for k, v in param_group.items() if k != "params"}
+            inner_groups.append({**options, "params": [shard]})
+        self.optimizer = optimizer_cls(inner_groups)
+        self.state = self.optimizer.state  # what this rank holds: the state of its shard only
+        self._reduced, self._callback_queued = False, False
+        if shard_gradients:
+            for flat in self.flats:
+                for p in flat["params"]:
+                    p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):  # lr schedules change the outer
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        if self.shard_gradients:
+            self.reduce_scatter_gradients()  # already done at the end of backward, unless nothing had a gradient
+        # TODO 2: the ZeRO-1 step. (a) ZeRO-1 only: all-reduce the full padded gradient (`all_reduce`) and hand
+        #   the inner optimizer its slice [lo, hi) as the shard's .grad. (b) Step the inner optimizer: it updates
+        #   this rank's slice of `flat` in place. (c) All-gather the updated slices so every rank has all the
+        #   new parameters: pad this rank's slice to S elements, `all_gather` into a buffer of N x S elements,
+        #   copy its first numel elements into `flat` (all-gather needs equal pieces: hence the padding).
+        # BEGIN SOLUTION
+        for flat in self.flats:
+            if not self.shard_gradients:
+                full = self._padded_gradients(flat)
+                all_reduce(full, self.group)
+                flat["shard"].grad = full[flat["lo"] : flat["hi"]]
+        self.optimizer.step()
+        for flat in self.flats:
+            mine = torch.zeros(flat["shard_numel"], dtype=flat["flat"].dtype, device=flat["flat"].device)
+            mine[: flat["hi"] - flat["lo"]] = flat["shard"]
+            gathered = torch.empty(flat["shard_numel"] * self.world_size, dtype=mine.dtype, device=mine.device)
+            all_gather(gathered, mine, self.group)
+            flat["flat"].copy_(gathered[: flat["flat"].numel()])
+            if not self.shard_gradients:
+                flat["shard"].grad = None  # a view of the full gradient buffer: do not keep it alive
+        # EXERCISE
+        # raise NotImplementedError("TODO 2: the ZeRO-1 step")
+        # END SOLUTION
+        self._reduced = False
+
+    def _padded_gradients(self, flat) -> torch.Tensor:
+        """The group's gradients in one flat buffer padded to N x S (zeros for parameters unused in this step)."""
+        full = torch.zeros(flat["shard_numel"] * self.world_size, dtype=flat["flat"].dtype, device=flat["flat"].device)
+        offset = 0
+        for p in flat["params"]:
+            if p.grad is not None:
+                full[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        return full
+
+    def _gradient_ready(self, param):
+        """ZeRO-2: at the first gradient of a backward, ask autograd to call us once it has finished."""
+        if not self._callback_queued:
+            self._callback_queued, self._reduced = True, False
+            Variable._execution_engine.queue_callback(self.reduce_scatter_gradients)
+
+    def reduce_scatter_gradients(self):
+        """ZeRO-2: average the gradients across ranks, keeping only this rank's shard of them. Idempotent."""
+        self._callback_queued = False
+        if self._reduced:
+            return
+        self._reduced = True
+        for flat in self.flats:
+            full = self._padded_gradients(flat)
+            # TODO 3: ZeRO-2's gradient reduce-scatter. Instead of all-reducing the full gradient, reduce-scatter
+            #   it (`reduce_scatter(shard, full)`): each rank receives the average of its own S elements only.
+            #   Then free the full gradients (p.grad = None for the group's parameters) and give the shard's
+            #   average to the inner optimizer's parameter (its .grad, added to any gradient already there).
+            #   Same bytes on the wire as DDP's all-reduce (= reduce-scatter + all-gather, with the all-gather
+            #   of the parameters after the step); gradient memory drops from numel to S per rank.
+            # BEGIN SOLUTION
+            reduced = torch.empty(flat["shard_numel"], dtype=full.dtype, device=full.device)
+            reduce_scatter(reduced, full, self.group)
+            for p in flat["params"]:
+                p.grad = None
+            mine = reduced[: flat["hi"] - flat["lo"]]
+            shard = flat["shard"]
+            shard.grad = mine if shard.grad is None else shard.grad + mine
+            # EXERCISE
+            # raise NotImplementedError("TODO 3: ZeRO-2's gradient reduce-scatter")
+            # END SOLUTION
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none)  # the model's full gradients
+        self.optimizer.zero_grad(set_to_none)  # the shard's
+
+    def state_dict(self):
+        return {"rank": self.rank, "world_size": self.world_size, "shard": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        if (state_dict["rank"], state_dict["world_size"]) != (self.rank, self.world_size):
+            raise CourseError("a ZeroOptimizer state dict loads only at the same rank and world size")
+        self.optimizer.load_state_dict(state_dict["shard"])
+
+
+# --------------------------------------------------------------------------------------------------
+# ZeRO-3: parameters sharded too, gathered block by block just in time
+# --------------------------------------------------------------------------------------------------
+
+
+class _Unit:
+    """Parameters gathered and freed together (one block, or the root's leftovers): one flat fp32 buffer,
+    padded to N x S elements, of which this rank keeps the S-element `shard` (an nn.Parameter: the master
+    weights the optimizer steps). `full` is the gathered buffer in the compute dtype, allocated only while needed.
+    """
+
+    def __init__(self, module, params, locations, compute_dtype, group):
+        self.module, self.locations, self.group = module, locations, group
+        self.shapes = [p.shape for p in params]
+        self.numel = sum(p.numel() for p in params)
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.shard_numel = math.ceil(self.numel / world_size)
+        flat = torch.zeros(self.shard_numel * world_size, dtype=params[0].dtype, device=params[0].device)
+        torch.cat([p.detach().reshape(-1) for p in params], out=flat[: self.numel])
+        self.shard = nn.Parameter(flat[rank * self.shard_numel : (rank + 1) * self.shard_numel].clone())
+        self.full = torch.empty(flat.numel(), dtype=compute_dtype or flat.dtype, device=flat.device)
+        self.gathered, self.awaiting_gradients = True, False
+        self.free()
+
+    def free(self):
+        self.full.untyped_storage().resize_(0)  # the views stay; their memory goes until the next gather
+        self.gathered = False
+
+    def gather(self):
+        """All-gather the full parameters into `full` (a no-op if they are there already)."""
+        if self.gathered:
+            return
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        # TODO 4: all-gather a unit's full parameters. Every rank contributes its fp32 shard cast to the compute
+        #   dtype; the result fills `self.full`. Autograd saved views of `full` for backward: refilling it must not
+        #   look like an in-place change to them, hence torch.autograd._unsafe_preserve_version_counter.
+        # BEGIN SOLUTION
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
+            all_gather(self.full, self.shard.detach().to(self.full.dtype), self.group)
+        # EXERCISE
+        # raise NotImplementedError("TODO 4: all-gather a unit's full parameters")
+        # END SOLUTION
+        self.gathered = True
+
+    def attach(self):
+        """Point the module's parameter names at views of `full`, through an autograd function whose backward
+        turns the views' gradients into this rank's shard gradient."""
+        views = _UnitParameters.apply(self, self.shard)
+        for view, names in zip(views, self.locations):
+            for module, name in names:
+                setattr(module, name, view)  # a plain tensor attribute: the registered parameter is gone
+        self.awaiting_gradients = torch.is_grad_enabled()
+
+    def views(self):
+        offsets = [0]
+        for shape in self.shapes:
+            offsets.append(offsets[-1] + math.prod(shape))
+        return tuple(self.full[a:b].view(shape) for a, b, shape in zip(offsets, offsets[1:], self.shapes))
+
+    def reduce_gradients(self, grads) -> torch.Tensor:
+        """The views' gradients (None for unused ones) -> this rank's shard of their average over ranks (fp32)."""
+        # TODO 5: reduce-scatter the gradients into the owner's shard. Copy the gradients (cast to the shard's
+        #   dtype, fp32: reduce in full precision) into one flat zero buffer of N x S elements, in the order of
+        #   self.shapes; `reduce_scatter` it into an S-element tensor; free the gathered parameters (their
+        #   backward is done) and return the shard's gradient (autograd accumulates it into self.shard.grad).
+        # BEGIN SOLUTION
+        full = torch.zeros(self.full.numel(), dtype=self.shard.dtype, device=self.shard.device)
+        offset = 0
+        for grad, shape in zip(grads, self.shapes):
+            if grad is not None:
+                full[offset : offset + math.prod(shape)].copy_(grad.reshape(-1))
+            offset += math.prod(shape)
+        shard_grad = torch.empty_like(self.shard)
+        reduce_scatter(shard_grad, full, self.group)
+        self.free()
+        self.awaiting_gradients = False
+        return shard_grad
+        # EXERCISE
+        # raise NotImplementedError("TODO 5: reduce-scatter the gradients into the owner's shard")
+        # END SOLUTION
+
+
+class _UnitParameters(torch.autograd.Function):
+    """shard -> the unit's full parameters as views of the gathered buffer; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, unit, shard):
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient arrives as None
+        return unit.views()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, ctx.unit.reduce_gradients(grads)
+
+
+class Zero3(nn.Module):
+    """ZeRO-3 around `module`: one unit per block of `module.blocks` (or of `units`), one for the rest (the root).
+
+    Before a unit's forward its parameters are all-gathered, after it they are freed (reshard_after_forward),
+    and gathered again when backward reaches the unit (a hook on the unit's output); its gradients are then
+    reduce-scattered into each rank's shard. compute_dtype (e.g. torch.bfloat16) is the dtype of the gathered
+    parameters and of the compute; shards, gradients and optimizer state stay fp32. Parameters that do not
+    require grad stay unsharded; a parameter shared by several units belongs to the root.
+    """
+
+    def __init__(self, module, compute_dtype=None, units=None, reshard_after_forward=True, group=None):
+        super().__init__()
+        self.module, self.reshard_after_forward = module, reshard_after_forward
+        submodules = list(units if units is not None else getattr(module, "blocks", []))
+        owners = {}  # parameter -> the units that use it
+        for i, submodule in enumerate(submodules):
+            for p in submodule.parameters():
+                owners.setdefault(p, set()).add(i)
+        names = {}  # parameter -> every (module, attribute) that holds it, and its qualified names
+        for qualified, p in module.named_parameters(remove_duplicate=False):
+            if p.requires_grad:
+                owner_name, _, attribute = qualified.rpartition(".")
+                names.setdefault(p, []).append((module.get_submodule(owner_name), attribute, qualified))
+        self.names = []  # for full_state_dict: qualified names per unit, per parameter
+        self.units = []
+        groups = [(submodules[i], [p for p in names if owners.get(p) == {i}]) for i in range(len(submodules))]
+        groups.append((module, [p for p in names if len(owners.get(p, ())) != 1]))
+        for submodule, params in groups:
+            if not params:
+                continue
+            locations = [[(m, a) for m, a, _ in names[p]] for p in params]
+            self.names.append([[q for _, _, q in names[p]] for p in params])
+            self.units.append(_Unit(submodule, params, locations, compute_dtype, group))
+            for m, a, _ in (entry for p in params for entry in names[p]):
+                m._parameters.pop(a, None)  # a module shared by two blocks is listed twice
+        self.shards = nn.ParameterList([unit.shard for unit in self.units])
+        self.root = self.units[-1] if self.units and self.units[-1].module is module else None
+        self._callback_queued = False
+        for unit in self.units:
+            if unit is not self.root:
+                unit.module.register_forward_pre_hook(lambda m, args, unit=unit: self._before_forward(unit))
+                unit.module.register_forward_hook(lambda m, args, out, unit=unit: self._after_forward(unit, out))
+
+    def _before_forward(self, unit):
+        unit.gather()
+        unit.attach()
+
+    def _after_forward(self, unit, output):
+        # TODO 6: the ZeRO-3 schedule after a unit's forward. free() its gathered parameters (when
+        #   reshard_after_forward), and register a hook on each output tensor that requires grad, calling
+        #   self._before_backward(unit, grad): autograd runs it when backward reaches the unit's output, before
+        #   the unit's own backward, so the parameters are gathered again just in time. Return the output.
+        # BEGIN SOLUTION
+        if self.reshard_after_forward:
+            unit.free()
+        tensors = output if isinstance(output, (tuple, list)) else [output]
+        for tensor in tensors:
+            if torch.is_tensor(tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad, unit=unit: self._before_backward(unit, grad))
+        return output
+        # END SOLUTION
+
+    def _before_backward(self, unit, grad):
+        """Gather the unit's parameters again; at the first unit of a backward, have autograd call
+        finish_gradient_synchronization once the whole backward has run."""
+        unit.gather()
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+        return grad
+
+    def forward(self, *args, **kwargs):
+        if self.root is None:
+            return self.module(*args, **kwargs)
+        self._before_forward(self.root)
+        return self._after_forward(self.root, self.module(*args, **kwargs))
+
+    def finish_gradient_synchronization(self):
+        """Reduce-scatter (zeros) for units whose parameters were all unused, and free everything. Idempotent:
+        runs at the end of every backward, and may be called again."""
+        self._callback_queued = False
+        for unit in self.units:
+            if unit.awaiting_gradients:  # its backward never ran: every rank must still join the reduce-scatter
+                grad = unit.reduce_gradients([None] * len(unit.shapes))
+                unit.shard.grad = grad if unit.shard.grad is None else unit.shard.grad + grad
+            if unit.gathered:
+                unit.free()
+
+    def holds(self, tensor) -> bool:
+        """Is `tensor` a view of gathered parameters (model state, not an activation)?"""
+        pointer = tensor.untyped_storage().data_ptr()
+        return any(u.gathered and u.full.untyped_storage().data_ptr() == pointer for u in self.units)
+
+    def gathered_bytes(self) -> int:
+        return sum(u.full.untyped_storage().nbytes() for u in self.units)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """The full fp32 parameters under the original module's names (a collective), plus unsharded state."""
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}  # frozen params, buffers
+        for unit, unit_names in zip(self.units, self.names):
+            full = torch.empty(unit.shard_numel * dist.get_world_size(unit.group), dtype=unit.shard.dtype,
+                               device=unit.shard.device)  # fmt: skip
+            dist.all_gather_single(full, unit.shard.detach(), group=unit.group)
+            offset = 0
+            for shape, qualified in zip(unit.shapes, unit_names):
+                for name in qualified:
+                    state[name] = full[offset : offset + math.prod(shape)].view(shape).clone()
+                offset += math.prod(shape)
+        return state
+
+
+# --------------------------------------------------------------------------------------------------
+# The built-in: FSDP2 on a 1-D mesh, HSDP on a 2-D mesh (replicate x shard)
+# --------------------------------------------------------------------------------------------------
+
+
+def apply_fsdp(model, mesh, reshard_after_forward=True, mp_policy=None):
+    """FSDP2: each block its own unit (gathered and freed on its own), then the root for what is left."""
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    # TODO 7: shard the model with FSDP2. Call fully_shard(block, mesh=..., reshard_after_forward=...,
+    #   mp_policy=...) on every block of model.blocks, then once on the model itself (the root: embeddings,
+    #   final norm, head). On a 2-D mesh (replicate, shard) the same calls give HSDP.
+    # BEGIN SOLUTION
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    # EXERCISE
+    # raise NotImplementedError("TODO 7: shard the model with FSDP2")
+    # END SOLUTION
+    return model
+
+
+def apply_hsdp(model, mesh, reshard_after_forward=True, mp_policy=None):
+    """HSDP: mesh is 2-D, ("replicate", "shard"): shard within a row (a node), all-reduce across rows (nodes)."""
+    assert mesh.ndim == 2, "HSDP needs a 2-D mesh (replicate, shard)"
+    return apply_fsdp(model, mesh, reshard_after_forward, mp_policy)
+
+
+def hsdp_mesh(device, world_size, replicas):
+    """A replicas x (world_size / replicas) mesh: row r holds the consecutive ranks of one node."""
+    if world_size % replicas:
+        raise CourseError(f"--replicas {replicas} does not divide the world size {world_size}: choose a divisor")
+    return init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+
+def optimizer_class(args):
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+    if args.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": lr, "momentum": args.momentum}
+    return torch.optim.AdamW, {"lr": lr, "weight_decay": 0.0}
+
+
+def wrap(strategy, model, args, device, world_size):
+    """(model, optimizer, shard_ranks, padded_params) for a strategy: the ranks state is sharded over and the
+    elements of the sharded buffers after padding (what utils.memory needs to predict each rank's bytes)."""
+    cls, kwargs = optimizer_class(args)
+    bf16 = args.precision == "bf16"
+    n_params = sum(p.numel() for p in model.parameters())
+    if strategy == "ddp":
+        model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        model.register_comm_hook(None, counting_allreduce_hook)
+        return model, cls(model.parameters(), **kwargs), 1, n_params
+    if strategy in ("zero1", "zero2"):
+        optimizer = ZeroOptimizer(model.parameters(), cls, shard_gradients=strategy == "zero2", **kwargs)
+        return model, optimizer, world_size, padded_numel([n_params], world_size)
+    if strategy == "zero3":
+        model = Zero3(model, compute_dtype=torch.bfloat16 if bf16 else None, reshard_after_forward=args.reshard)
+        padded = sum(u.shard_numel * world_size for u in model.units)
+        return model, cls(model.parameters(), **kwargs), world_size, padded
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    if strategy == "fsdp":
+        mesh, shard_ranks = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",)), world_size
+        model = apply_fsdp(model, mesh, args.reshard, policy)
+    else:
+        mesh = hsdp_mesh(device, world_size, args.replicas)
+        shard_ranks = mesh.size(1)
+        print0(f"HSDP mesh (replicate x shard): {mesh.mesh.tolist()}")
+        model = apply_hsdp(model, mesh, args.reshard, policy)
+    padded = sum(math.ceil(p.shape[0] / shard_ranks) * shard_ranks * math.prod(p.shape[1:]) for p in model.parameters())
+    return model, cls(model.parameters(), **kwargs), shard_ranks, padded
+
+
+def full_checksum(model) -> float:
+    if isinstance(model, Zero3):
+        return sum(float(t.double().pow(2).sum()) for t in model.full_state_dict().values())
+    return param_checksum(model)
+
+
+def held_bytes(model, optimizer) -> dict:
+    """Bytes of parameters, gradients and optimizer state this rank holds now (measured from its tensors)."""
+    held = state_bytes(model, optimizer)  # model.parameters() (local shards of DTensors), .grad, optimizer.state
+    if isinstance(optimizer, ZeroOptimizer):  # ZeRO-2 keeps its gradient shards on the inner optimizer's tensors
+        held["grads"] += sum(f["shard"].grad.numel() * 4 for f in optimizer.flats if f["shard"].grad is not None)
+    return held
+
+
+def optimizer_checksum(model, optimizer) -> float | None:
+    """Sum of squares of the full optimizer state (a collective for sharded models); None for ZeRO-1/2."""
+    if isinstance(optimizer, ZeroOptimizer) or isinstance(model, Zero3):
+        return None
+    state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))[1]["state"]
+    return sum(float(v.double().pow(2).sum()) for s in state.values() for v in s.values() if v.dim() > 0)
+
+
+def checkpoint_meta(path: Path) -> Path:
+    return path / "course.json" if path.is_dir() or not path.suffix else path.with_name(path.name + ".json")
+
+
+def resume(path: Path, model, optimizer, config) -> int:
+    """Load a DCP folder (any world size) or a full-state file into model and optimizer; return its step."""
+    if not path.exists():
+        raise CourseError(f"--resume {path}: no such checkpoint (a --save-dcp folder or a --checkpoint file)")
+    meta_path = checkpoint_meta(path)
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    if meta.get("config", vars(config)) != vars(config):
+        theirs = {k: v for k, v in meta["config"].items() if vars(config).get(k) != v}
+        raise CourseError(
+            f"--resume {path}: the checkpoint holds another model ({theirs}, this run builds "
+            f"{ {k: vars(config)[k] for k in theirs} }); use the model options it was saved with"
+        )
+    try:
+        if path.is_dir():
+            load_sharded_model(model, optimizer, path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            options = StateDictOptions(full_state_dict=True)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=options)  # fmt: skip
+    except CourseError:
+        raise
+    except Exception as error:  # a checkpoint of another model or optimizer, a damaged file
+        gist = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise CourseError(f"--resume {path}: it does not fit this model and optimizer ({gist})") from None
+    return int(meta.get("step", 0))
+
+
+def train(args, strategy, device, rank, world_size):
+    """Train one strategy for --steps steps; return its metrics."""
+    if (args.resume or args.save_dcp) and strategy not in ("ddp", "fsdp", "hsdp"):
+        raise CourseError("--resume and --save-dcp work with the built-in strategies: ddp, fsdp or hsdp")
+    config = model_config(args)
+    train_set = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train_set), args, world_size)
+    sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(config, seed=args.seed).to(device)
+    model, optimizer, shard_ranks, padded = wrap(strategy, model, args, device, world_size)
+    start, loaded = 0, {}
+    if args.resume:
+        start = resume(args.resume, model, optimizer, config)
+        loaded = {"loaded_param_checksum": full_checksum(model), "loaded_optimizer_checksum":
+                  optimizer_checksum(model, optimizer)}  # fmt: skip
+        print0(f"resumed from {args.resume} after step {start}")
+
+    def batches():
+        for epoch in count():
+            sampler.set_epoch(epoch)
+            yield from loader
+
+    data = batches()
+    for _ in range(start):  # the batches the checkpointed run already trained on
+        next(data)
+    autocast = args.precision == "bf16" and strategy in ("ddp", "zero1", "zero2")
+    throughput, losses = Throughput(device), []
+    for key in WIRE:
+        WIRE[key] = 0
+    wire_first_step = None
+    activations = gathered_after_forward = None
+    for step in range(start + 1, args.steps + 1):
+        inputs, targets = (t.to(device) for t in next(data))
+        optimizer.zero_grad(set_to_none=True)
+        measure = step == start + 1
+        # Activations: bytes autograd saves for backward, not counting parameters (gathered ones included).
+        saved = SavedActivations() if measure else nullcontext()
+        if measure:  # parameters are model state, not activations: leave out any tensor that is one (or views one)
+            saved._pack = lambda t, pack=saved._pack, model=model: t if is_model_state(model, t) else pack(t)
+        with saved, torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(model(inputs), targets)
+            if measure and isinstance(model, Zero3):
+                gathered_after_forward = model.gathered_bytes()
+            loss.backward()
+        if measure:
+            activations = saved.peak_bytes
+        optimizer.step()
+        if wire_first_step is None:
+            wire_first_step = dict(WIRE)
+        loss = loss.detach().float()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+        throughput.step(inputs.numel() * world_size)
+        if step % args.log_every == 0 or step == args.steps:
+            print0(f"{strategy:>5} step {step:4d}  loss {losses[-1]:.4f}")
+
+    n_params = count_parameters(config)
+    counted = strategy in ("ddp", "zero1", "zero2", "zero3")  # FSDP2's collectives are its own: not counted
+    optimizer_name = "adam" if args.optimizer == "adamw" else "momentum" if args.momentum else "sgd"
+    metrics = dict(
+        strategy=strategy,
+        precision=args.precision,
+        final_loss=losses[-1] if losses else None,
+        losses=losses,
+        first_step=start + 1,
+        steps=len(losses),
+        tokens_per_s=throughput.tokens_per_s,
+        param_checksum=full_checksum(model),
+        optimizer_checksum=optimizer_checksum(model, optimizer),
+        bytes_per_rank=held_bytes(model, optimizer),
+        estimated_bytes_per_rank=model_state_bytes(
+            n_params, shard_ranks, STAGE[strategy], "fp32", optimizer_name, padded_params=padded
+        ),  # fmt: skip
+        n_params=n_params,
+        stage=STAGE[strategy],
+        shard_ranks=shard_ranks,
+        padded_params=padded,
+        activation_bytes=activations,
+        gathered_bytes_after_forward=gathered_after_forward,
+        gathered_bytes_after_step=model.gathered_bytes() if isinstance(model, Zero3) else None,
+        wire_bytes_per_step=wire_first_step if counted else None,
+        wire_volume_per_step=wire_volume(wire_first_step) if counted and losses else None,
+        replicas=world_size // shard_ranks if strategy == "hsdp" else None,
+        peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        **loaded,
+    )
+    step = start + len(losses)
+    if args.checkpoint:
+        path = args.checkpoint
+        if args.strategy == "all":
+            path = path.with_stem(f"{path.stem}-{strategy}")
+        if isinstance(model, Zero3):
+            save0({"model": model.full_state_dict()}, path)
+        elif isinstance(optimizer, ZeroOptimizer):
+            save0({"model": model.state_dict()}, path)
+        else:
+            save_full_model(model, optimizer, path)
+        save0_json(checkpoint_meta(path), {"step": step, "config": vars(config), "strategy": strategy})
+        print0(f"saved the full model to {path}")
+    if args.save_dcp:
+        save_sharded_model(model, optimizer, args.save_dcp)
+        save0_json(checkpoint_meta(args.save_dcp), {"step": step, "config": vars(config), "strategy": strategy})
+        print0(f"saved a sharded checkpoint ({world_size} ranks) to {args.save_dcp}")
+    del model, optimizer  # DDP and FSDP hold the process group: free them before it goes
+    return metrics
+
+
+def save0_json(path: Path, record: dict):
+    """What a checkpoint is (step, model config, strategy), written beside it by rank 0."""
+    if is_root_process():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    dist.barrier()
+
+
+def is_model_state(model, tensor) -> bool:
+    """Does `tensor` share memory with a parameter (sharded, or gathered for this forward)?"""
+    if isinstance(model, Zero3):
+        return model.holds(tensor)
+    pointer = tensor.untyped_storage().data_ptr()
+    local = (p.to_local() if isinstance(p, DTensor) else p for p in model.parameters())
+    return any(p.untyped_storage().data_ptr() == pointer for p in local)
+
+
+def main():
+    # FSDP2 warns that the root returns a view (the head's output): the loss only reads it, never changes it.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--strategy", choices=[*STRATEGIES, "all"], default="fsdp", help="all: each in turn")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype")
+    parser.add_argument("--replicas", type=positive_int, default=None, help="HSDP: replica groups (default: nodes)")
+    parser.add_argument(
+        "--reshard-after-forward",
+        dest="reshard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="free gathered parameters after forward (gather again in backward)",
+    )
+    parser.add_argument("--momentum", type=non_negative_float, default=0.0, help="SGD momentum (state to shard)")
+    parser.add_argument("--save-dcp", type=Path, default=None, help="save a sharded (DCP) checkpoint folder")
+    parser.add_argument("--resume", type=Path, default=None, help="a --save-dcp folder or a --checkpoint file")
+    args = parse_args(parser)
+    local_rank, rank, device, world_size = setup(args.seed)
+    if args.replicas is None:
+        nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        args.replicas = nodes if nodes > 1 else (2 if world_size % 2 == 0 else 1)
+    if args.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise CourseError("this GPU has no bf16: use --precision fp32")
+    strategies = STRATEGIES if args.strategy == "all" else [args.strategy]
+    if args.strategy == "all" and (args.resume or args.save_dcp):
+        raise CourseError("--resume and --save-dcp take one strategy: pass --strategy fsdp (or ddp, hsdp)")
+    print0(
+        f"{world_size} ranks x {args.batch_size} sequences | {count_parameters(model_config(args)):,} parameters"
+        f" | {args.optimizer} | {args.precision} | device {device.type}"
+    )
+    results = {strategy: train(args, strategy, device, rank, world_size) for strategy in strategies}
+    for strategy, m in results.items():
+        held, estimate = m["bytes_per_rank"], m["estimated_bytes_per_rank"]
+        print0(
+            f"{strategy:>5}: bytes per rank params {held['params']:,} grads {held['grads']:,} optimizer "
+            f"{held['optimizer']:,} (estimator: {estimate['params']:,} / {estimate['grads']:,} / "
+            f"{estimate['optimizer']:,}) | activations {m['activation_bytes']:,}"
+            + (f" | wire volume {m['wire_volume_per_step']:,} per step" if m["wire_volume_per_step"] else "")
+        )
+    last = results[strategies[-1]]
+    write_metrics(args.metrics_out, **last, strategies=results if args.strategy == "all" else None)
+    print0(f"FINISHED {args.strategy}: {last['steps']} steps, final loss {last['final_loss']:.4f}")
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,116 @@
+"""Model-state memory per data-parallel rank: parameters, gradients and optimizer state under ZeRO stages 0-3.
+
+    from utils.memory import model_state_bytes
+    model_state_bytes(7.5e9, dp=64, stage=2, precision="mixed", optimizer="adam")
+    # {'params': ..., 'grads': ..., 'optimizer': ...}   bytes held by each rank
+
+    python -m utils.memory --params 7.5e9 --dp 64 --stage 2 --precision mixed --optimizer adam
+    python -m utils.memory --params 7.5e9 --dp 64                 # every stage, as the ZeRO paper's table
+
+The rule (Rajbhandari et al., "ZeRO", 2020): with Psi parameters and dp data-parallel ranks,
+- stage 0 (DDP) replicates everything:           params Psi, grads Psi, optimizer state Psi  (x bytes each)
+- stage 1 shards the optimizer state:            optimizer state Psi / dp
+- stage 2 also shards the gradients:             grads Psi / dp
+- stage 3 also shards the parameters (FSDP):     params Psi / dp
+Bytes per element: fp32 training keeps 4 (params) + 4 (grads) + K (optimizer: 8 for Adam's two moments,
+0 for plain SGD). Mixed precision as in the paper keeps 2 + 2 + K with K = 12 for Adam (an fp32 master copy
+of the parameters plus the two fp32 moments). Training with bf16 compute but fp32 sharded weights
+(FSDP2's MixedPrecisionPolicy(param_dtype=bf16), the lesson's Zero3(compute_dtype=bf16)) holds fp32 state:
+use precision="fp32" for it.
+
+Padding: a sharded tensor of n elements split over dp ranks is padded to a multiple of dp, so each rank
+holds ceil(n / dp) elements. `padded_params` is the total after padding (every sharded buffer rounded up);
+each rank's shard is padded_params / dp. `padded_numel(sizes, dp)` computes it for a list of buffers.
+"""
+
+import argparse
+import math
+
+PRECISIONS = {"fp32": (4, 4), "mixed": (2, 2)}  # bytes per element of (parameters, gradients)
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8}  # fp32 bytes of state per parameter
+MASTER_COPY = {"fp32": 0, "mixed": 4}  # mixed precision keeps an fp32 copy of the parameters in the optimizer
+STAGES = {0: "DDP (replicated)", 1: "ZeRO-1 (optimizer)", 2: "ZeRO-2 (+ gradients)", 3: "ZeRO-3 (+ parameters)"}
+
+
+def bytes_per_param(precision: str = "fp32", optimizer: str = "adam") -> dict:
+    """Bytes per parameter of (params, grads, optimizer) before any sharding: 4+4+8 fp32 Adam, 2+2+12 mixed."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}")
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE)}, not {optimizer!r}")
+    params, grads = PRECISIONS[precision]
+    return {"params": params, "grads": grads, "optimizer": OPTIMIZER_STATE[optimizer] + MASTER_COPY[precision]}
+
+
+def padded_numel(sizes, dp: int) -> int:
+    """Total elements once each flat buffer of `sizes` elements is padded to a multiple of dp."""
+    return sum(math.ceil(int(n) / dp) * dp for n in sizes)
+
+
+def model_state_bytes(
+    n_params: float,
+    dp: int = 1,
+    stage: int = 0,
+    precision: str = "fp32",
+    optimizer: str = "adam",
+    padded_params: int | None = None,
+) -> dict:
+    """Bytes of parameters, gradients and optimizer state that one rank holds (the largest shard).
+
+    n_params: parameters in the model (Psi). dp: ranks the state is sharded over. stage: 0 (DDP) to 3.
+    padded_params: elements after padding the sharded buffers (default: n_params rounded up to a multiple of dp).
+    Replicated state counts n_params elements; sharded state counts padded_params / dp.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 0, 1, 2 or 3, not {stage!r}")
+    if dp < 1:
+        raise ValueError(f"dp must be at least 1, not {dp}")
+    n_params = int(n_params)
+    padded = padded_numel([n_params], dp) if padded_params is None else int(padded_params)
+    if padded % dp or padded < n_params:
+        raise ValueError(f"padded_params={padded} must be a multiple of dp={dp} and at least n_params={n_params}")
+    shard = padded // dp
+    per = bytes_per_param(precision, optimizer)
+    sharded = {"optimizer": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
+    return {kind: per[kind] * (shard if sharded[kind] else n_params) for kind in ("params", "grads", "optimizer")}
+
+
+def human(nbytes: float) -> str:
+    """Bytes in decimal units, as the ZeRO paper counts them (1 GB = 1e9 bytes)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def table(n_params: float, dp: int, precision: str, optimizer: str, stages=(0, 1, 2, 3)) -> str:
+    """One line per stage: the bytes of each kind of state per rank, and their total."""
+    lines = [f"{'stage':<24}{'params':>10}{'grads':>10}{'optimizer':>11}{'total':>10}"]
+    for stage in stages:
+        state = model_state_bytes(n_params, dp, stage, precision, optimizer)
+        cells = "".join(f"{human(state[k]):>{w}}" for k, w in (("params", 10), ("grads", 10), ("optimizer", 11)))
+        lines.append(f"{stage} {STAGES[stage]:<22}{cells}{human(sum(state.values())):>10}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Model-state memory per rank under ZeRO stages 0-3.")
+    parser.add_argument("--params", type=float, required=True, help="parameters in the model, e.g. 7.5e9")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks the state is sharded over")
+    parser.add_argument("--stage", type=int, choices=sorted(STAGES), default=None, help="one stage (default: all)")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="mixed")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE), default="adam")
+    args = parser.parse_args(argv)
+    if args.dp < 1 or args.params < 1:
+        parser.error("--params and --dp must be at least 1")
+    per = bytes_per_param(args.precision, args.optimizer)
+    print(
+        f"{args.params:.3g} parameters, {args.dp} data-parallel ranks, {args.precision} precision, {args.optimizer}: "
+        f"{per['params']} + {per['grads']} + {per['optimizer']} bytes per parameter"
+    )
+    stages = sorted(STAGES) if args.stage is None else [args.stage]
+    print(table(args.params, args.dp, args.precision, args.optimizer, stages))
+
+
+if __name__ == "__main__":
+    main()
