@@ -1,0 +1,495 @@
+# Exercise for lesson 08: complete the numbered TODOs. (This file is generated from
+# solutions/08_fault_tolerance.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+"""Lesson 08: fault tolerance. Checkpoints that survive any crash, and a resume that continues the exact same run.
+
+The job dies at hour 30: a rank is killed, a node fails, the scheduler preempts it. This script trains the
+course's model (FSDP2 on several ranks, a plain model on one) and every --checkpoint-every steps writes a
+checkpoint that holds everything the run depends on: the model and optimizer state (each rank its shards, through
+torch.distributed.checkpoint, DCP), the learning-rate schedule, the step, the data position and every rank's
+random number generator. A checkpoint is written to a temporary folder and published with one rename, so a crash
+during a save leaves the previous checkpoint intact. On start the script resumes from the newest complete
+checkpoint, and the resumed run ends bit-identical to one that was never interrupted.
+
+    # rank 0 SIGKILLed at step 25; torchrun restarts both ranks, which resume from step 20 (a fresh TCP store
+    # per restart: without it, restarted workers can read the dead workers' addresses and fail to connect)
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
+        solutions/08_fault_tolerance.py --checkpoint-every 10 --crash-at-step 25
+    torchrun --nproc_per_node=2 solutions/08_fault_tolerance.py --async-save           # DCP async_save
+    sbatch slurm/08_fault_tolerance.sbatch solutions     # requeued on preemption (SIGUSR1), resumes by itself
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DistributedSampler
+
+from utils.data import load_token_dataset
+from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
+from utils.metrics import param_checksum, state_bytes, write_metrics
+from utils.model import build_model, count_parameters, loss_fn
+from utils.training import (
+    ROOT,
+    Logger,
+    Throughput,
+    base_parser,
+    build_optimizer,
+    check_batches,
+    model_config,
+    non_negative_float,
+    parse_args,
+    positive_int,
+)
+
+# FSDP2 warns that the model's output is a view (the head's logits): this script never modifies it in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+POINTER = "latest"  # a one-line file naming the newest published checkpoint folder
+META = "meta.json"  # written last into a checkpoint: the run's progress, and the size of every file in it
+STAGING = "tmp-"  # a checkpoint being written lives in tmp-step-NNNNNNNN until it is published
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def default_checkpoint_dir() -> Path:
+    """checkpoints/08_fault_tolerance, one folder per Slurm job (a requeued job keeps its id, so it finds its own)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return ROOT / "checkpoints" / ("08_fault_tolerance" + (f"-job{job}" if job else ""))
+
+
+def attempt() -> int:
+    """0 on the first attempt; torchrun counts its restarts, Slurm its requeues."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) + int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def apply_fsdp(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """FSDP2, as in lesson 03: shard each block, then the root (embeddings, final norm, head)."""
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+@dataclass
+class Progress:
+    """Where the run is. `offset` counts the samples of the epoch's global order already trained on (all ranks
+    together), so that it means the same thing at any world size."""
+
+    step: int = 0
+    epoch: int = 0
+    offset: int = 0
+    losses: list = field(default_factory=list)
+
+
+def batches(dataset, sampler: DistributedSampler, batch_size: int, progress: Progress, world_size: int):
+    """Endless (inputs, targets) batches of this rank, starting at the data position in `progress`.
+
+    The order of an epoch is a function of (seed, epoch) alone: DistributedSampler shuffles the whole data set
+    with that seed on every rank and gives rank r every world_size-th index. So the position needs no RNG
+    state: (epoch, offset) is enough, and it advances here as batches are handed out.
+    """
+    while True:
+        sampler.set_epoch(progress.epoch)
+        mine = list(sampler)  # this rank's indices of the epoch, in order
+        per_step = batch_size * world_size  # samples of the global order one step consumes
+        if progress.offset % per_step:
+            raise CourseError(
+                f"the checkpoint's data position ({progress.offset} samples into epoch {progress.epoch}) is not a "
+                f"whole number of global batches of {per_step}: keep --batch-size x ranks as in the run that saved it"
+            )
+        start = progress.offset // world_size  # the rank's share of the samples already consumed
+        for first in range(start, len(mine) - batch_size + 1, batch_size):
+            samples = [dataset[i] for i in mine[first : first + batch_size]]
+            progress.offset += per_step
+            yield torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+        progress.epoch, progress.offset = progress.epoch + 1, 0
+        print0(f"epoch {progress.epoch}: another pass over the data")
+
+
+def add_token_noise(inputs: torch.Tensor, probability: float, vocab_size: int) -> torch.Tensor:
+    """Replace each input token by a random one with `probability`: a data augmentation that draws from the
+    rank's global RNG, as dropout would. (It is why a checkpoint must hold every rank's RNG state.)"""
+    if probability == 0:
+        return inputs
+    noisy = torch.rand(inputs.shape) < probability
+    return torch.where(noisy, torch.randint(0, vocab_size, inputs.shape), inputs)
+
+
+def fsync_dir(path: Path):
+    """Make a rename or a new file in `path` durable: the directory entry itself must reach the disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_durably(path: Path, data: bytes):
+    """Write a whole file and force it to the disk before returning."""
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+# --------------------------------------------------------------------------------------------------
+# The checkpoint, from scratch: what it holds, how it is published, how the newest complete one is found
+# --------------------------------------------------------------------------------------------------
+
+
+def checkpoint_state(model, optimizer, scheduler, progress: Progress) -> tuple[dict, dict, dict]:
+    """The three parts of a checkpoint: (sharded, per_rank, shared).
+
+    sharded:  {"model", "optimizer"} state dicts, saved with DCP: each rank writes the shards it holds.
+    per_rank: {"rng": {"torch": ..., "cuda": ... where present}}: this rank's own, saved as rank-R.pt.
+    shared:   {"step", "epoch", "offset", "losses", "scheduler"}: the same on every rank, saved by rank 0.
+    """
+    # TODO 1: what a checkpoint must hold to resume bit-identically. The model and the optimizer (AdamW's
+    #   moments are as much a part of the run as the weights): get_state_dict(model, optimizer) gives both,
+    #   as DTensor shards under FSDP2 and full tensors on one process. Every rank's RNG state (each rank draws
+    #   different random numbers: torch.get_rng_state(), and torch.cuda.get_rng_state() where CUDA is
+    #   available). The step, the data position (epoch, offset) and the losses so far, and the LR schedule
+    #   (scheduler.state_dict()). Return them as the three dicts described above.
+    raise NotImplementedError("TODO 1: what a checkpoint must hold to resume bit-identically")
+
+
+def publish(staging: Path, shared: dict, keep: int) -> Path:
+    """Rank 0, once every rank has written its part into `staging`: make the checkpoint visible, atomically.
+
+    Returns the published folder checkpoint_dir/step-NNNNNNNN and removes all but the newest `keep` of them.
+    """
+    checkpoint_dir = staging.parent
+    final = checkpoint_dir / checkpoint_name(shared["step"])
+    if final.exists():  # a damaged checkpoint of this step, which the resume skipped: make room
+        shutil.rmtree(final)
+    # TODO 2: the atomic publish. A crash may strike at any instruction: at every moment the folder must hold
+    #   either the old checkpoint or the new one, complete. So: (a) write META last into `staging`: `shared`
+    #   plus "files", the size of every file in the staging folder, so a reader can tell a complete checkpoint
+    #   from a damaged one (write_durably: written and fsync'ed); (b) rename the staging folder to `final` in
+    #   one os.rename and fsync the parent folder; (c) point POINTER at it: write the name to a temporary file,
+    #   fsync it, os.replace it onto POINTER (a rename replaces a file atomically; a half-written pointer
+    #   would send the next resume nowhere), fsync the folder again.
+    raise NotImplementedError("TODO 2: the atomic publish")
+    # Keep the newest `keep`: older ones only cost disk space (and inodes) once a newer one is published.
+    for old in sorted(checkpoint_dir.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def problem_with(folder: Path) -> str | None:
+    """Why `folder` is not a complete checkpoint (its META missing or unreadable, a file missing or of the
+    wrong size), or None if it is one."""
+    try:
+        meta = json.loads((folder / META).read_text())
+        files = meta["files"]
+    except FileNotFoundError:
+        return f"no {META} (the save never finished)"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{META} is unreadable ({type(error).__name__})"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, not {size} (truncated or overwritten)"
+    if ".metadata" not in files:
+        return "no DCP .metadata"
+    return None
+
+
+def find_latest(checkpoint_dir: Path) -> Path | None:
+    """The newest complete checkpoint in `checkpoint_dir`, or None; says why it skips any other."""
+    if not checkpoint_dir.is_dir():
+        return None
+    # TODO 3: find the newest complete checkpoint. Folders left by a save that never finished
+    #   (STAGING + name) are partial: say so and ignore them. Among the published step-NNNNNNNN folders,
+    #   the newest first, return the first that problem_with() finds nothing wrong with; for each one it
+    #   skips, print one line naming the folder and the problem ("skipping step-00000008: ..."), so the
+    #   learner sees that the run went back further than expected. (POINTER names the newest published one,
+    #   for readers that do not want to scan; a resume checks everything, so it scans.)
+    raise NotImplementedError("TODO 3: find the newest complete checkpoint")
+
+
+def restore(folder: Path, model, optimizer, scheduler, progress: Progress, rank: int) -> dict:
+    """Load the checkpoint in `folder` into the model, optimizer, schedule, data position and RNG; return META."""
+    meta = json.loads((folder / META).read_text())
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout (and shards) DCP loads into
+    sharded = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(sharded, checkpoint_id=str(folder))  # each rank reads the pieces it holds now, whoever wrote them
+    set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
+    rank_file = folder / f"rank-{rank}.pt"
+    per_rank = torch.load(rank_file, weights_only=True) if rank_file.exists() else None
+    if per_rank is None:
+        print(f"rank {rank}: {folder.name} has no {rank_file.name} (saved by fewer ranks): a fresh RNG", flush=True)
+    # TODO 4: put the run back where it was. The schedule (scheduler.load_state_dict(meta["scheduler"])), the
+    #   progress (step, epoch, offset, losses from meta: batches() then starts at that data position), and
+    #   this rank's RNG (torch.set_rng_state, and torch.cuda.set_rng_state where saved) when `per_rank`
+    #   exists. Miss the RNG and the resumed run draws other random numbers than the uninterrupted one.
+    raise NotImplementedError("TODO 4: put the run back where it was")
+    return meta
+
+
+# --------------------------------------------------------------------------------------------------
+# Saving: synchronous, or asynchronous with DCP async_save
+# --------------------------------------------------------------------------------------------------
+
+
+def crash(rank: int, where: str, checkpoint_dir: Path):
+    """Test only: SIGKILL this process, as the kernel's OOM killer or a failed node would (no clean-up runs)."""
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    (checkpoint_dir / "killed-at").write_text(f"{time.time()!r}\n")  # for the restarted run's restart time
+    print(f"[rank {rank}] killed with SIGKILL {where}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Checkpointer:
+    """Saves checkpoints into `checkpoint_dir`: each rank its DCP shards and its rank-R.pt, rank 0 publishes.
+
+    With `use_async`, dcp.async_save copies the state to memory and writes it in a background thread while
+    training goes on; the checkpoint is published once every rank's write has finished (checked at each step)
+    and is waited for before the next save and before exit. It runs its collectives on a gloo group of its own,
+    so they never interleave with the training's collectives on the default group.
+    """
+
+    def __init__(self, checkpoint_dir: Path, keep: int, use_async: bool, rank: int, world_size: int):
+        self.dir, self.keep, self.use_async = checkpoint_dir, keep, use_async
+        self.rank, self.world_size = rank, world_size
+        self.group = dist.new_group(backend="gloo") if use_async else None
+        self.pending = None  # (future, staging folder, shared) of an async save not yet published
+        self.saves = []  # {"step", "blocking_s", "total_s"} per save: what the learner measures
+
+    def save(self, model, optimizer, scheduler, progress: Progress, crash_now: bool = False) -> float:
+        """Save the current state; returns the seconds training was blocked."""
+        self.wait()  # one save at a time: the previous async one is finished and published first
+        started = time.perf_counter()
+        staging = self.dir / (STAGING + checkpoint_name(progress.step))
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        dist.barrier()  # the staging folder exists before anyone writes into it
+        sharded, per_rank, shared = checkpoint_state(model, optimizer, scheduler, progress)
+        shared = {**shared, "world_size": self.world_size}  # for the record: any world size can load it
+        torch.save(per_rank, staging / f"rank-{self.rank}.pt")
+        if self.use_async:
+            future = dcp.async_save(sharded, checkpoint_id=str(staging), process_group=self.group)
+            if crash_now:
+                future.result()
+                crash(self.rank, f"during the save of step {progress.step}", self.dir)
+            self.pending = (future, staging, shared, started)
+        else:
+            dcp.save(sharded, checkpoint_id=str(staging))
+            if crash_now:  # every shard is written, nothing is published yet: the worst moment to die
+                crash(self.rank, f"during the save of step {progress.step}", self.dir)
+            self._publish(staging, shared, started)
+        blocking = time.perf_counter() - started
+        if self.use_async:
+            self.saves.append({"step": progress.step, "blocking_s": blocking})
+        else:
+            self.saves[-1]["blocking_s"] = blocking
+        return blocking
+
+    def _publish(self, staging: Path, shared: dict, started: float):
+        dist.barrier()  # every rank's files are complete
+        if self.rank == 0:
+            final = publish(staging, shared, self.keep)
+            print(f"checkpoint {final.name} published", flush=True)
+        dist.barrier()  # nobody goes on (or exits) before the checkpoint is published
+        if self.use_async:
+            self.saves[-1]["total_s"] = time.perf_counter() - started
+        else:
+            self.saves.append({"step": shared["step"], "total_s": time.perf_counter() - started})
+
+    def done_here(self) -> bool:
+        """No async save in flight on this rank (the ranks agree through the step's all-reduce)."""
+        return self.pending is None or self.pending[0].done()
+
+    def wait(self):
+        """Finish and publish the async save in flight, if any (every rank calls it at the same point)."""
+        if self.pending is not None:
+            future, staging, shared, started = self.pending
+            self.pending = None
+            future.result()  # raises here if the background write failed
+            self._publish(staging, shared, started)
+
+
+def main():
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="default: checkpoints/08_fault_tolerance")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=50, help="save every N steps (and at the end)")
+    parser.add_argument("--keep", type=positive_int, default=2, help="keep the newest N checkpoints")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints in the background (DCP)")
+    parser.add_argument("--token-noise", type=non_negative_float, default=0.05, help="input token noise (uses RNG)")
+    parser.add_argument("--warmup-steps", type=positive_int, default=10, help="linear LR warm-up, then cosine decay")
+    parser.add_argument("--crash-at-step", type=positive_int, default=None, help="test only: SIGKILL at this step")
+    parser.add_argument("--crash-rank", type=int, default=0, help="test only: the rank --crash-at-step kills")
+    parser.add_argument(
+        "--crash-during-save", action="store_true", help="test only: kill inside the save of --crash-at-step"
+    )
+    args = parse_args(parser)
+    checkpoint_dir = (args.checkpoint_dir or default_checkpoint_dir()).resolve()
+    if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
+        parser.error(f"argument --checkpoint-dir: {checkpoint_dir} is a file; name a folder")
+    if args.crash_during_save and args.crash_at_step and args.crash_at_step % args.checkpoint_every:
+        parser.error("argument --crash-during-save: --crash-at-step must be a multiple of --checkpoint-every")
+    process_started = time.time()
+    local_rank, rank, device, world_size = setup(args.seed)
+    if not 0 <= args.crash_rank < world_size:
+        raise CourseError(f"--crash-rank {args.crash_rank}: choose a rank from 0 to {world_size - 1}")
+
+    # A preemption warning (Slurm's --signal=B:USR1@..., passed on by the batch script, srun and torchrun)
+    # only sets a flag: the step finishes, the ranks agree, and all of them save before they stop.
+    stop_requested = []
+
+    def request_stop(signum, frame):
+        stop_requested.append(signum)
+
+    signal.signal(signal.SIGUSR1, request_stop)
+
+    train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train), args, world_size)
+    sampler = DistributedSampler(train, world_size, rank, shuffle=True, seed=args.seed, drop_last=True)
+
+    config = model_config(args)
+    model = build_model(config, seed=args.seed).to(device)
+    if world_size > 1:
+        model = apply_fsdp(model, init_device_mesh(device.type, (world_size,)))
+    optimizer = build_optimizer(model.parameters(), args)
+    warmup, total = args.warmup_steps, args.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(  # the LR factor at step s: linear warm-up, then cosine decay
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / total))
+    )
+    layout = f"FSDP2 over {world_size} ranks" if world_size > 1 else "one process"
+    print0(
+        f"{count_parameters(config):,} parameters, {layout}"
+        f" | checkpoints every {args.checkpoint_every} steps into {checkpoint_dir} (keep {args.keep}"
+        f"{', async' if args.async_save else ''}) | attempt {attempt()}"
+    )
+
+    # Resume from the newest complete checkpoint, if there is one. Rank 0 decides, everyone follows.
+    progress = Progress()
+    choice = [find_latest(checkpoint_dir) if rank == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    resumed_from, restart_s = None, None
+    if choice[0] is not None:
+        meta = json.loads((choice[0] / META).read_text())
+        if meta["step"] > args.steps:
+            raise CourseError(
+                f"{choice[0]} is at step {meta['step']}, past --steps {args.steps}: raise --steps, or start "
+                f"afresh with another --checkpoint-dir"
+            )
+        try:
+            restore(choice[0], model, optimizer, scheduler, progress, rank)
+        except (RuntimeError, ValueError, KeyError) as error:  # shapes or names that do not fit this model
+            raise CourseError(
+                f"{choice[0]} does not fit this model ({type(error).__name__}: {str(error).splitlines()[0][:120]}); "
+                "use the model options it was saved with, or another --checkpoint-dir"
+            ) from error
+        resumed_from = progress.step
+        killed_at = checkpoint_dir / "killed-at"
+        if killed_at.exists():  # written by --crash-at-step just before the kill: how long the restart took
+            restart_s = time.time() - float(killed_at.read_text())
+        print0(
+            f"resumed from {choice[0].name}: step {progress.step}, epoch {progress.epoch}, {progress.offset} samples"
+            f" into it (saved by {meta.get('world_size', '?')} ranks, now {world_size})"
+        )
+        if restart_s is not None:
+            print0(f"restart: training resumes {restart_s:.1f} s after the kill")
+    else:
+        print0("no checkpoint to resume from: starting at step 0")
+    if rank == 0:  # what a crash left behind: partial saves (rewritten if needed) and the test's kill time
+        for leftover in checkpoint_dir.glob(STAGING + "*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        (checkpoint_dir / "killed-at").unlink(missing_ok=True)
+    checkpointer = Checkpointer(checkpoint_dir, args.keep, args.async_save, rank, world_size)
+    dist.barrier()
+
+    data = batches(train, sampler, args.batch_size, progress, world_size)
+    logger = Logger(args, total_steps=args.steps - progress.step)
+    throughput = Throughput(device)
+    step_seconds, stopped = [], False
+    first_step_s = time.time() - process_started
+    while progress.step < args.steps:
+        step_started = time.perf_counter()
+        inputs, targets = next(data)
+        inputs = add_token_noise(inputs, args.token_noise, config.vocab_size)
+        inputs, targets = inputs.to(device), targets.to(device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        progress.step += 1
+        step = progress.step
+        # One small all-reduce carries the loss, whether any rank was asked to stop, and how many ranks have
+        # finished writing their part of an async checkpoint.
+        flags = torch.tensor([float(bool(stop_requested)), float(checkpointer.done_here())], device=device)
+        shared = torch.cat([loss.detach().reshape(1), flags])
+        dist.all_reduce(shared, op=dist.ReduceOp.SUM)
+        progress.losses.append(shared[0].item() / world_size)
+        if checkpointer.pending is not None and shared[2].item() == world_size:
+            checkpointer.wait()  # every rank has finished writing: publish it now
+        if args.crash_at_step == step and rank == args.crash_rank and attempt() == 0 and not args.crash_during_save:
+            crash(rank, f"at step {step}, after its optimizer step", checkpoint_dir)
+        stop = shared[1].item() > 0
+        if step % args.checkpoint_every == 0 or step == args.steps or stop:
+            crash_now = args.crash_during_save and args.crash_at_step == step and rank == args.crash_rank
+            checkpointer.save(model, optimizer, scheduler, progress, crash_now=crash_now and attempt() == 0)
+        step_seconds.append(time.perf_counter() - step_started)
+        throughput.step(inputs.numel() * world_size)
+        logger.log(step, loss=progress.losses[-1], lr=scheduler.get_last_lr()[0])
+        if step % args.log_every == 0 or step == args.steps:
+            print0(f"step {step:5d}  loss {progress.losses[-1]:.4f}")
+        if stop:
+            print0(f"STOPPED at step {step} after a stop request (SIGUSR1): checkpoint saved, resubmit or requeue")
+            stopped = True
+            break
+    checkpointer.wait()  # an async save still in flight is finished and published before exit
+    logger.close()
+
+    if not stopped:
+        lost = args.crash_at_step - resumed_from if resumed_from is not None and args.crash_at_step else None
+        write_metrics(
+            args.metrics_out,
+            final_loss=progress.losses[-1],
+            losses=progress.losses,
+            steps=len(progress.losses),
+            tokens_per_s=throughput.tokens_per_s,
+            param_checksum=param_checksum(model),
+            bytes_per_rank=state_bytes(model, optimizer),
+            optimizer=args.optimizer,
+            dataset=args.dataset,
+            checkpoint_every=args.checkpoint_every,
+            async_save=args.async_save,
+            attempt=attempt(),
+            resumed_from=resumed_from,
+            steps_redone=lost,
+            restart_s=restart_s,
+            first_step_s=first_step_s,
+            saves=checkpointer.saves,
+            step_seconds=step_seconds,
+            checkpoints=sorted(p.name for p in checkpoint_dir.glob("step-*")),
+        )
+        print0(f"FINISHED {len(progress.losses)} steps, final loss {progress.losses[-1]:.4f}")
+    del model, optimizer, scheduler
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,387 @@
+"""Lesson 08: a run killed at any moment, restarted, ends bit-identical to one that never stopped.
+
+pytest tests/test_08_fault_tolerance.py                      # the solution
+pytest tests/test_08_fault_tolerance.py --target exercises   # your exercise (make check LESSON=08)
+
+The TODO tests call the lesson's functions in this process (no launch); the runs below are launched once,
+the first time a test needs them, and shared. Every run trains 8 steps of the tiny model with a global batch
+of 8 sequences; "reference" is never interrupted, and the others must end with its losses and checksum.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from tests.launch import ROOT, Run, _run, course_env, python
+from utils.model import ModelConfig, build_model
+
+SMALL = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "--log-every", "1"]
+COMMON = [*SMALL, "--steps", "8", "--keep", "2"]
+TWO = ["--batch-size", "4"]  # 2 ranks x 4 = the global batch of 8
+RUNS = {  # name: (processes, torchrun --max-restarts, arguments)
+    "reference": (2, 0, [*TWO, "--checkpoint-every", "3"]),
+    # rank 1 SIGKILLed after step 5, between checkpoints (async, every 2: step 2 or 4 survives); torchrun restarts
+    "killed": (2, 1, [*TWO, "--checkpoint-every", "2", "--async-save", "--crash-at-step", "5", "--crash-rank", "1"]),
+    # rank 0 SIGKILLed inside the save of step 6, after writing its shards, before the publish
+    "killed_in_save": (2, 1, [*TWO, "--checkpoint-every", "3", "--crash-at-step", "6", "--crash-during-save"]),
+    # 4 ranks, no token noise (each rank's noise depends on the world size): the reference of the resharded run
+    "four": (4, 0, ["--batch-size", "2", "--checkpoint-every", "4", "--token-noise", "0"]),
+}
+RESHARD_TOLERANCE = 1e-4  # relative, on each loss: FSDP over 4 and 2 ranks adds in different orders, AdamW amplifies
+
+
+def torchrun(script, nproc: int, args, *, folder, max_restarts: int = 0, timeout: float = 300) -> Run:
+    """torchrun with restarts that work: --standalone, with each restart's workers on a fresh TCP store
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; else restarted workers may read the dead workers' addresses)."""
+    metrics = folder / "metrics.json"
+    metrics.unlink(missing_ok=True)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        f"--max-restarts={max_restarts}", str(script), *map(str, args), "--metrics-out", str(metrics),
+    ]  # fmt: skip
+    env = course_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, COURSE_NO_PROGRESS=1)
+    return _run(command, timeout, env, metrics)
+
+
+@pytest.fixture(scope="module")
+def run(lesson, tmp_path_factory):
+    """run(name) -> (Run, folder): launches RUNS[name] the first time it is asked for."""
+    tmp, done = tmp_path_factory.mktemp("lesson08"), {}
+
+    def launch(name):
+        if name not in done:
+            nproc, restarts, extra = RUNS[name]
+            folder = tmp / name
+            folder.mkdir()
+            args = [*COMMON, *extra, "--checkpoint-dir", folder / "checkpoints", "--log-dir", folder / "runs"]
+            done[name] = torchrun(lesson("08"), nproc, args, folder=folder, max_restarts=restarts), folder
+        return done[name]
+
+    return launch
+
+
+@pytest.fixture(scope="module")
+def module(lesson):
+    """The lesson script imported as a module (its name starts with a digit: load it from its path)."""
+    path = lesson("08")
+    spec = importlib.util.spec_from_file_location("lesson08", path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+def call(todo: int, function, *args, **kwargs):
+    """Call a lesson function; an unfinished TODO fails the test naming it."""
+    try:
+        return function(*args, **kwargs)
+    except NotImplementedError as error:
+        pytest.fail(f"TODO {str(error).split(':')[0].removeprefix('TODO ')}: not done yet ({error})", pytrace=False)
+
+
+def finished(result: Run, what: str) -> dict:
+    stopped = re.search(r"(TODO \d+):", result.output)
+    name = stopped.group(1) if stopped else what
+    assert result.returncode == 0, f"{name}: the run failed. Its last lines:\n{result.tail()}"
+    return result.metrics
+
+
+def tiny_training(module, steps: int = 2):
+    """A plain model, AdamW, the lesson's schedule shape, trained a few steps in this process."""
+    model = build_model(ModelConfig(seq_len=8, dim=16, n_heads=2, n_layers=1), seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (2, 9))
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    return model, optimizer, scheduler
+
+
+def write_checkpoint(folder, files: dict, meta_extra=None):
+    """A hand-made complete checkpoint: the files, then META listing their sizes."""
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    meta = {
+        "step": int(folder.name.split("-")[-1]),
+        "files": {n: len(d) for n, d in files.items()},
+        **(meta_extra or {}),
+    }
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+# --------------------------------------------------------------------------------------------------
+# Each TODO on its own, in this process
+# --------------------------------------------------------------------------------------------------
+
+
+def test_todo1_checkpoint_holds_model_optimizer_rng_and_position(module):
+    model, optimizer, scheduler = tiny_training(module)
+    progress = module.Progress(step=2, epoch=1, offset=16, losses=[5.5, 5.4])
+    sharded, per_rank, shared = call(1, module.checkpoint_state, model, optimizer, scheduler, progress)
+    assert set(sharded) >= {"model", "optimizer"}, f"TODO 1: the DCP part needs model and optimizer, has {set(sharded)}"
+    assert set(sharded["model"]) == set(model.state_dict()), "TODO 1: the model's whole state dict (get_state_dict)"
+    moments = [s for s in sharded["optimizer"].get("state", {}).values() if "exp_avg_sq" in s]
+    assert moments, "TODO 1: the optimizer state must hold AdamW's moments (exp_avg, exp_avg_sq), not only its settings"
+    rng = per_rank.get("rng", {}).get("torch")
+    assert rng is not None and torch.equal(rng, torch.get_rng_state()), "TODO 1: per_rank['rng']['torch'] = this rank's"
+    for key, value in {"step": 2, "epoch": 1, "offset": 16, "losses": [5.5, 5.4]}.items():
+        assert shared.get(key) == value, f"TODO 1: shared[{key!r}] should be {value!r}, not {shared.get(key)!r}"
+    assert shared.get("scheduler", {}).get("last_epoch") == 2, "TODO 1: shared['scheduler'] = scheduler.state_dict()"
+    progress.losses.append(5.3)
+    assert shared["losses"] == [5.5, 5.4], "TODO 1: save a copy of the losses (the run keeps appending to its list)"
+
+
+def test_todo2_publish_is_one_rename_and_a_replaced_pointer(module, tmp_path):
+    for step in (3, 6, 9):
+        staging = tmp_path / f"tmp-step-{step:08d}"
+        staging.mkdir()
+        (staging / ".metadata").write_bytes(b"m" * 10)
+        (staging / "__0_0.distcp").write_bytes(b"x" * (100 + step))
+        final = call(2, module.publish, staging, {"step": step, "losses": [1.0] * step}, 2)
+        assert final == tmp_path / f"step-{step:08d}" and final.is_dir(), f"TODO 2: publish into {final}"
+        assert not staging.exists(), "TODO 2: rename the staging folder (os.rename), do not copy it"
+        meta = json.loads((final / "meta.json").read_text())
+        assert meta.get("step") == step, "TODO 2: META holds `shared` (the step, losses, ...)"
+        assert meta.get("files") == {".metadata": 10, "__0_0.distcp": 100 + step}, (
+            f"TODO 2: META's 'files' maps each file written before it to its size, got {meta.get('files')}"
+        )
+        pointer = (tmp_path / "latest").read_text().strip()
+        assert pointer == final.name, f"TODO 2: the pointer file 'latest' should name {final.name}, not {pointer!r}"
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["latest", "step-00000006", "step-00000009"], f"keep 2: {left} (and no temporary pointer left)"
+
+
+def test_todo3_newest_complete_checkpoint_skips_partial_and_damaged_ones(module, tmp_path, capsys):
+    parts = {".metadata": b"m" * 10, "__0_0.distcp": b"x" * 50}
+    write_checkpoint(tmp_path / "step-00000002", parts)
+    write_checkpoint(tmp_path / "step-00000004", parts)
+    write_checkpoint(tmp_path / "step-00000006", parts)
+    (tmp_path / "step-00000006" / "__0_0.distcp").write_bytes(b"x" * 20)  # truncated after the publish
+    write_checkpoint(tmp_path / "step-00000008", parts)
+    (tmp_path / "step-00000008" / "meta.json").write_text('{"step": 8, "fil')  # damaged
+    (tmp_path / "step-00000010").mkdir()  # published by hand, never completed
+    write_checkpoint(tmp_path / "tmp-step-00000012", parts)  # complete files, but never published
+    (tmp_path / "latest").write_text("step-00000010\n")
+    found = call(3, module.find_latest, tmp_path)
+    said = capsys.readouterr().out
+    assert found == tmp_path / "step-00000004", f"TODO 3: the newest complete checkpoint is step-00000004, not {found}"
+    for name in ("step-00000010", "step-00000008", "step-00000006", "tmp-step-00000012"):
+        assert name in said, f"TODO 3: say why {name} is not used (one line naming it); said:\n{said}"
+    assert "step-00000002" not in said, "TODO 3: stop at the newest complete checkpoint"
+    assert call(3, module.find_latest, tmp_path / "nothing-here") is None, "TODO 3: no folder, no checkpoint: None"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, no process group
+def test_todo4_restore_puts_back_weights_schedule_position_and_rng(module, tmp_path):
+    model, optimizer, scheduler = tiny_training(module, steps=3)
+    folder = tmp_path / "step-00000003"
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+    torch.manual_seed(1234)
+    torch.save({"rng": {"torch": torch.get_rng_state()}}, folder / "rank-0.pt")
+    expected_draw = torch.rand(4)
+    meta = {"step": 3, "epoch": 2, "offset": 24, "losses": [3.0, 2.0, 1.0], "scheduler": scheduler.state_dict()}
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+    fresh, fresh_optimizer, fresh_scheduler = tiny_training(module, steps=0)
+    progress = module.Progress()
+    torch.manual_seed(999)
+    call(4, module.restore, folder, fresh, fresh_optimizer, fresh_scheduler, progress, 0)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters())), "the weights (DCP load)"
+    assert torch.equal(torch.rand(4), expected_draw), "TODO 4: restore this rank's RNG state (torch.set_rng_state)"
+    assert (progress.step, progress.epoch, progress.offset) == (3, 2, 24), (
+        f"TODO 4: progress should be step 3, epoch 2, offset 24, not {progress}"
+    )
+    assert progress.losses == [3.0, 2.0, 1.0], "TODO 4: the losses so far come back too"
+    assert fresh_scheduler.last_epoch == 3, "TODO 4: scheduler.load_state_dict(meta['scheduler'])"
+    assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr(), "TODO 4: the learning rate of step 3"
+
+
+def test_data_position_resumes_the_same_batches(module):
+    """batches() started at (epoch, offset) yields what the uninterrupted iterator yields from there, at any
+    world size with the same global batch."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(40), torch.arange(40))
+
+    def global_batches(world_size, progress, count):
+        per_rank = 8 // world_size
+        streams = []
+        for rank in range(world_size):
+            sampler = torch.utils.data.DistributedSampler(dataset, world_size, rank, seed=3, drop_last=True)
+            rank_progress = module.Progress(**{**progress.__dict__, "losses": []})
+            streams.append(module.batches(dataset, sampler, per_rank, rank_progress, world_size))
+        return [sorted(torch.cat([next(s)[0] for s in streams]).tolist()) for _ in range(count)]
+
+    uninterrupted = global_batches(2, module.Progress(), 8)  # 5 steps an epoch: crosses into epoch 1
+    assert global_batches(2, module.Progress(epoch=0, offset=24), 5) == uninterrupted[3:], "resume mid-epoch"
+    assert global_batches(4, module.Progress(epoch=0, offset=24), 5) == uninterrupted[3:], "at another world size"
+    assert global_batches(1, module.Progress(epoch=1, offset=0), 3) == uninterrupted[5:], "at an epoch's start"
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole runs: killed, restarted, resumed
+# --------------------------------------------------------------------------------------------------
+
+
+def assert_bit_identical(metrics: dict, reference: dict, what: str):
+    first = next((i for i, (a, b) in enumerate(zip(metrics["losses"], reference["losses"])) if a != b), None)
+    assert metrics["losses"] == reference["losses"], (
+        f"{what}: the losses differ from the uninterrupted run from step {first + 1 if first is not None else '?'} "
+        f"on ({metrics['losses']} vs {reference['losses']}); a resume must restore the model, optimizer, schedule, "
+        "RNG (TODO 4) and data position exactly"
+    )
+    assert metrics["param_checksum"] == reference["param_checksum"], f"{what}: the final parameters differ"
+
+
+def test_reference_run_keeps_the_last_k_checkpoints(run):
+    result, folder = run("reference")
+    metrics = finished(result, "the reference run")
+    assert metrics["resumed_from"] is None and metrics["steps"] == 8, "a fresh folder: trained from step 0"
+    assert metrics["checkpoints"] == ["step-00000006", "step-00000008"], f"--keep 2: {metrics['checkpoints']}"
+    assert (folder / "checkpoints" / "latest").read_text().strip() == "step-00000008", "the pointer names the newest"
+    assert not list((folder / "checkpoints").glob("tmp-*")), "no staging folder left after a clean run"
+
+
+def test_killed_rank_restarts_and_ends_bit_identical(run):
+    """rank 1 SIGKILLed after step 5 (async saves every 2 steps); torchrun --max-restarts 1 restarts both ranks."""
+    reference = finished(run("reference")[0], "the reference run")
+    result, _ = run("killed")
+    assert "[rank 1] killed with SIGKILL at step 5" in result.output, f"the crash did not happen:\n{result.tail()}"
+    metrics = finished(result, "the restarted run")
+    assert metrics["attempt"] == 1, f"torchrun should have restarted the workers once, attempt {metrics['attempt']}"
+    assert metrics["resumed_from"] in (2, 4), (
+        f"resume from the newest published checkpoint, not {metrics['resumed_from']}"
+    )
+    assert metrics["steps_redone"] == 5 - metrics["resumed_from"] and metrics["restart_s"] > 0, metrics
+    assert_bit_identical(metrics, reference, "killed at step 5 and restarted")
+
+
+def test_kill_during_save_keeps_the_previous_checkpoint(run):
+    reference = finished(run("reference")[0], "the reference run")
+    result, _ = run("killed_in_save")
+    assert "killed with SIGKILL during the save of step 6" in result.output, f"no crash:\n{result.tail()}"
+    metrics = finished(result, "the restarted run")
+    assert "ignoring tmp-step-00000006" in result.output, "the half-written save should be named and ignored"
+    assert metrics["resumed_from"] == 3, f"the save of step 6 never finished: resume from step 3, not {metrics}"
+    assert_bit_identical(metrics, reference, "killed during the save of step 6")
+
+
+def test_damaged_checkpoint_skipped_and_resume_at_another_world_size(run, lesson, tmp_path):
+    """4 ranks train 8 steps (checkpoints 4 and 8); step 8's shard is then truncated. 2 ranks resume: they skip
+    step 8 with a message, load step 4 resharded from 4 ranks to 2 (DCP), and continue the 4-rank loss curve."""
+    four, four_folder = run("four")
+    reference = finished(four, "the 4-rank run")
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(four_folder / "checkpoints", checkpoints)
+    with open(checkpoints / "step-00000008" / "__1_0.distcp", "r+b") as shard:
+        shard.truncate(100)
+    args = [*COMMON, *TWO, "--checkpoint-every", "4", "--token-noise", "0", "--checkpoint-dir", checkpoints]
+    result = torchrun(lesson("08"), 2, [*args, "--log-dir", tmp_path / "runs"], folder=tmp_path)
+    assert "skipping step-00000008: __1_0.distcp has 100 bytes" in result.output, (
+        f"TODO 3: the truncated newest checkpoint should be skipped, saying why:\n{result.tail()}"
+    )
+    metrics = finished(result, "the resumed 2-rank run")
+    assert metrics["resumed_from"] == 4 and metrics["world_size"] == 2, metrics
+    assert metrics["losses"][:4] == reference["losses"][:4], "the first 4 losses come from the checkpoint"
+    assert metrics["losses"][4:] == pytest.approx(reference["losses"][4:], rel=RESHARD_TOLERANCE), (
+        "resumed at 2 ranks from a 4-rank checkpoint, the loss curve should continue the 4-rank one"
+    )
+    assert metrics["param_checksum"] == pytest.approx(reference["param_checksum"], rel=RESHARD_TOLERANCE)
+
+
+def test_untouched_exercise_stops_at_a_todo(tmp_path):
+    """The generated exercise stops at once, naming a TODO (it cannot train without finding a checkpoint)."""
+    exercise = ROOT / "exercises" / "08_fault_tolerance.py"
+    args = [*SMALL, "--steps", "2", "--checkpoint-dir", tmp_path / "ckpt", "--log-dir", tmp_path / "runs"]
+    os.makedirs(tmp_path / "ckpt")  # an existing folder: the exercise must look for a checkpoint in it
+    started = time.monotonic()
+    result = python(exercise, args, timeout=60)
+    assert result.returncode != 0 and re.search(r"TODO \d: .* is not done yet", result.output), result.tail()
+    assert time.monotonic() - started < 60
+
+
+# --------------------------------------------------------------------------------------------------
+# Slurm: a preemption warning, a requeue, a resume (on the local cluster in CI; skipped without Slurm)
+# --------------------------------------------------------------------------------------------------
+
+
+def read_text_if_there(path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+@pytest.mark.slurm
+def test_slurm_requeue_on_preemption_signal_resumes_and_completes(target):
+    """SIGUSR1 to the batch script (what --signal=B:USR1@120 sends before the time limit): the trap passes it on,
+    the ranks save and stop, the script requeues the job, and the second attempt resumes and completes."""
+    from tests.slurm_helpers import FINAL_STATES, cancel, cluster_problem, job_record, read_output, slurm, submit, wait
+
+    in_ci = os.environ.get("CI") == "true"
+    problem = cluster_problem(1, wait_s=60 if in_ci else 10)
+    if problem:
+        if in_ci:
+            pytest.fail(f"CI=true, but there is no Slurm cluster: {problem}", pytrace=False)
+        pytest.skip(f"no Slurm cluster: {problem}")
+    workdir = ROOT / "runs" / f"slurm-tests-08-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    workdir.mkdir(parents=True)
+    metrics_path = workdir / "metrics.json"
+    args = [target, *SMALL, "--log-every", "5", "--steps", "40", "--checkpoint-every", "20", *TWO]
+    job = submit(ROOT / "slurm" / "08_fault_tolerance.sbatch", [*args, "--metrics-out", metrics_path],
+                 env={"NPROC_PER_NODE": 2})  # fmt: skip
+    passed = False
+    try:
+        deadline = time.monotonic() + 180
+        while not job.record.get("StdOut") or "step     5" not in read_text_if_there(job.output_file):
+            assert time.monotonic() < deadline, f"the training never started. {job.describe()}"
+            job.record = job_record(job.job_id) or job.record
+            stopped_early = re.search(r"TODO \d+:", read_text_if_there(job.output_file)) or job.state in FINAL_STATES
+            assert not stopped_early, f"the job ended before its training started. {job.describe()}"
+            time.sleep(0.5)
+        signalled = slurm("scancel", "--signal=USR1", "--batch", job.job_id)
+        assert signalled.returncode == 0, signalled.stderr
+        deadline = time.monotonic() + 180
+        while True:  # requeued: pending again, held until its BeginTime (about 2 minutes): let it start now
+            record = job_record(job.job_id) or {}
+            if record.get("Restarts", "0") != "0" and record.get("JobState") != "PENDING":
+                break  # running again (or already done: wait() below tells)
+            if record.get("Restarts", "0") != "0" and record.get("Reason") == "BeginTime":
+                # Slurm holds a requeued job so that its previous run is torn down first; starting it while a
+                # step of that run is still ending fails it ("Job credential revoked"): wait for its steps to go.
+                if not slurm("squeue", "-h", "-s", "-j", job.job_id).stdout.strip():
+                    time.sleep(5)
+                    slurm("scontrol", "update", f"JobId={job.job_id}", "StartTime=now")  # its begin time
+            assert record.get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", None), (
+                f"the job ended instead of requeueing. {job.describe()}"
+            )
+            assert time.monotonic() < deadline, f"the job was not requeued and started again. {job.describe()}"
+            time.sleep(1)
+        wait(job, timeout_s=240, pending_s=60)
+        output = read_output(job)
+        story = job.describe()
+        assert job.state == "COMPLETED" and job.exit_code == 0, f"expected COMPLETED. {story}"
+        stopped = re.search(r"STOPPED at step (\d+)", output)
+        assert "SIGUSR1" in output and stopped, f"the training did not save and stop on SIGUSR1. {story}"
+        assert "requeueing job" in output and "attempt 1" in output, f"the job did not requeue itself. {story}"
+        assert f"resumed from step-{int(stopped.group(1)):08d}" in output, f"no resume from the stop. {story}"
+        metrics = json.loads(metrics_path.read_text())
+        assert metrics["resumed_from"] == int(stopped.group(1)) and metrics["steps"] == 40, metrics
+        assert any(line.startswith("FINISHED") for line in output.splitlines()), story
+        passed = True
+    finally:
+        cancel(job)
+        if job.record.get("StdOut") and job.output_file.is_file():
+            shutil.move(job.output_file, workdir / job.output_file.name)
+        if passed:  # else keep the job's output and checkpoints for the post-mortem
+            shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(ROOT / "checkpoints" / f"08_fault_tolerance-{job.job_id}", ignore_errors=True)
