@@ -12,9 +12,13 @@ both against dist.all_reduce. Part 3 measures the hand-written ring against the 
 """
 
 import argparse
+import json
+import os
+import platform
 import statistics
 import sys
 import time
+from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import utils` from solutions/ or exercises/
@@ -22,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import utils` f
 import torch
 import torch.distributed as dist
 
-from utils.distributed_utils import destroy_process_group, print0, run_main, setup
+from utils.distributed_utils import destroy_process_group, is_root_process, print0, run_main, setup
 from utils.metrics import write_metrics
+from utils.training import CourseArgumentParser, parse_args, positive_int
 
 # --------------------------------------------------------------------------------------------------
 # Part 1: each collective on a tiny tensor
@@ -37,8 +42,10 @@ def gather_to_all(tensor: torch.Tensor) -> list[list[float]]:
     return pieces
 
 
-def demonstrate_collectives(rank: int, world_size: int) -> dict:
-    """Run each collective once; return {name: {"before": per-rank lists, "after": per-rank lists}}."""
+def demonstrate_collectives(rank: int, world_size: int, device: torch.device) -> dict:
+    """Run each collective once; return {name: {"before": per-rank lists, "after": per-rank lists}}.
+
+    Every tensor a collective touches lives on `device`: NCCL (GPUs) rejects CPU tensors."""
     demos = {}
 
     def record(name, before, after, only_on_root=False):
@@ -47,7 +54,7 @@ def demonstrate_collectives(rank: int, world_size: int) -> dict:
             demos[name]["after"][1:] = [None] * (world_size - 1)
 
     def mine():  # rank r starts with [10r+1, 10r+2, ...]: easy to follow by eye
-        return torch.arange(1, world_size + 1, dtype=torch.float32) + 10 * rank
+        return torch.arange(1, world_size + 1, dtype=torch.float32, device=device) + 10 * rank
 
     # broadcast: rank 0's tensor overwrites everyone's.
     x = mine()
@@ -69,13 +76,13 @@ def demonstrate_collectives(rank: int, world_size: int) -> dict:
 
     # all-gather: everyone gets everyone's tensor, concatenated. FSDP gathers parameters this way.
     x = mine()
-    gathered = torch.empty(world_size * x.numel())
+    gathered = torch.empty(world_size * x.numel(), device=device)
     dist.all_gather_single(gathered, x)
     record("all_gather", x, gathered)
 
     # reduce-scatter: sum, then rank r keeps chunk r of the sum. FSDP reduces gradients this way.
     x = mine()
-    chunk = torch.empty(x.numel() // world_size)
+    chunk = torch.empty(x.numel() // world_size, device=device)
     dist.reduce_scatter_single(chunk, x, op=dist.ReduceOp.SUM)
     record("reduce_scatter", x, chunk)
 
@@ -156,7 +163,7 @@ def check_against_library(name: str, all_reduce_by_hand, device) -> float:
         expected = x.clone()
         dist.all_reduce(expected)
         worst = max(worst, (all_reduce_by_hand(x) - expected).abs().max().item())
-    worst_tensor = torch.tensor(worst)
+    worst_tensor = torch.tensor(worst, device=device)
     dist.all_reduce(worst_tensor, op=dist.ReduceOp.MAX)
     # Sums in another order round differently: float32 agrees to about 1e-6, not exactly.
     verdict = "matches" if worst_tensor.item() < 1e-5 else f"DOES NOT MATCH (off by {worst_tensor.item():.2g})"
@@ -176,31 +183,38 @@ def seconds_per_call(all_reduce, tensor: torch.Tensor, repeats: int) -> float:
     for _ in range(repeats):
         all_reduce(tensor)
     dist.barrier()
-    elapsed = torch.tensor((time.perf_counter() - start) / repeats, dtype=torch.float64)
+    elapsed = torch.tensor((time.perf_counter() - start) / repeats, dtype=torch.float64, device=tensor.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
 
 
+IMPLEMENTATIONS = {"library": dist.all_reduce, "ring": ring_all_reduce, "rs_ag": all_reduce_from_collectives}
+
+
 def benchmark(sizes_bytes: list[int], rounds: int, device) -> list[dict]:
-    """Time library, ring and reduce-scatter+all-gather all-reduce on the same tensors, interleaved."""
+    """Time library, ring and reduce-scatter+all-gather all-reduce on the same tensors, interleaved.
+
+    For each size and implementation: the median time of `rounds` rounds (and the fastest and slowest
+    round, the run-to-run spread), the algorithm bandwidth S / t and the bus bandwidth."""
     world_size = dist.get_world_size()
-    implementations = {"library": dist.all_reduce, "ring": ring_all_reduce, "rs_ag": all_reduce_from_collectives}
     rows = []
     for size in sizes_bytes:
         tensor = torch.ones(size // 4, device=device)  # float32
         repeats = max(2, min(50, (4 << 20) // size))  # more repeats for small, quick messages
-        for all_reduce in implementations.values():  # warm-up: connections, allocations
+        for all_reduce in IMPLEMENTATIONS.values():  # warm-up: connections, allocations
             all_reduce(tensor)
-        times = {name: [] for name in implementations}
+        times = {name: [] for name in IMPLEMENTATIONS}
         for _ in range(rounds):  # interleaved rounds: a slow moment of the machine hits all three
-            for name, all_reduce in implementations.items():
+            for name, all_reduce in IMPLEMENTATIONS.items():
                 times[name].append(seconds_per_call(all_reduce, tensor, repeats))
         row = {"bytes": size, "world_size": world_size}
-        for name in implementations:
+        for name in IMPLEMENTATIONS:
             seconds = statistics.median(times[name])
-            algorithm_bandwidth = size / seconds  # bytes of the tensor per second
+            algorithm_bandwidth = size / seconds  # bytes of the tensor per second: what the application sees
             row[name] = {
                 "seconds": seconds,
+                "seconds_min": min(times[name]),
+                "seconds_max": max(times[name]),
                 "algbw_GBps": algorithm_bandwidth / 1e9,
                 # What each link carried: a ring all-reduce sends 2(n-1)/n of the tensor per rank.
                 "busbw_GBps": algorithm_bandwidth * 2 * (world_size - 1) / world_size / 1e9,
@@ -209,29 +223,111 @@ def benchmark(sizes_bytes: list[int], rounds: int, device) -> list[dict]:
     return rows
 
 
-def fit_alpha_beta(rows: list[dict], name: str) -> tuple[float, float]:
-    """Least-squares fit of time = alpha + beta * bytes: alpha is latency, 1/beta bandwidth."""
+def fit_alpha_beta(rows: list[dict], name: str, world_size: int) -> tuple[float, float]:
+    """Fit the ring all-reduce model t(S) = 2(n-1) alpha + 2(n-1)/n S beta to the measured times.
+
+    alpha: the one-way cost of one message (seconds), paid 2(n-1) times, once per ring step;
+    beta: seconds per byte on one link, so 1/beta is the link bandwidth (bytes/s).
+    A straight line t = a + b S is fitted by least squares on the relative error (the sizes span
+    decades; each counts alike), then alpha = a / (2(n-1)) and beta = b n / (2(n-1)).
+    Returns (nan, nan) in a world of one, where nothing is sent.
+    """
+    if world_size < 2:
+        return float("nan"), float("nan")
     sizes = torch.tensor([float(r["bytes"]) for r in rows], dtype=torch.float64)
     seconds = torch.tensor([r[name]["seconds"] for r in rows], dtype=torch.float64)
-    design = torch.stack([torch.ones_like(sizes), sizes], dim=1)
-    alpha, beta = torch.linalg.lstsq(design, seconds.unsqueeze(1)).solution.squeeze(1).tolist()
-    return alpha, beta
+    design = torch.stack([torch.ones_like(sizes), sizes], dim=1) / seconds.unsqueeze(1)
+    intercept, slope = torch.linalg.lstsq(design, torch.ones_like(seconds).unsqueeze(1)).solution.squeeze(1).tolist()
+    steps = 2 * (world_size - 1)
+    return intercept / steps, slope * world_size / steps
+
+
+def parse_size(text: str) -> int:
+    """An argparse type: a message size in bytes, such as 4096, 64K or 16M, a multiple of 4 (float32)."""
+    units = {"K": 1 << 10, "M": 1 << 20}
+    number, unit = (text[:-1], units[text[-1].upper()]) if text and text[-1].upper() in units else (text, 1)
+    try:
+        size = int(number) * unit
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use bytes with K or M, e.g. 64K") from None
+    if size < 4 or size % 4:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive multiple of 4 bytes (float32); e.g. 64K")
+    return size
+
+
+def size_list(text: str) -> list[int]:
+    """An argparse type: comma-separated message sizes, e.g. 1K,32K,1M,16M."""
+    return [parse_size(part.strip()) for part in text.split(",")]
+
+
+def machine_description(device: torch.device) -> dict:
+    """What a reference measurement needs next to it: the machine and the versions that made it."""
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else None
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_cores": os.cpu_count(),
+        "memory_GiB": round(memory_gib, 1) if memory_gib else None,
+        "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "backend": dist.get_backend(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        # Other work on the machine slows every implementation: the spread of the rounds shows how much.
+        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def save_reference(path: Path, rows: list[dict], args, device):
+    """Merge this world size's benchmark into the reference file `path` (one entry per world size)."""
+    if not is_root_process():
+        return
+    reference = json.loads(path.read_text()) if path.exists() else {}
+    reference.setdefault(
+        "about",
+        "All-reduce time per call (median of interleaved rounds, with the fastest and slowest round) for "
+        "the library, the hand-written ring (TODOs 1-2) and reduce-scatter + all-gather (TODO 3). Written by "
+        "`torchrun --nproc_per_node=N solutions/01_collectives.py --benchmark-out FILE`.",
+    )
+    runs = reference.setdefault("runs", {})
+    runs[str(dist.get_world_size())] = {
+        "date": date.today().isoformat(),
+        "command": f"torchrun --nproc_per_node={dist.get_world_size()} solutions/01_collectives.py "
+        f"--sizes {args.sizes_text} --steps {args.steps} --benchmark-out {path}",
+        "rounds": args.steps,
+        "machine": machine_description(device),
+        "rows": rows,
+    }
+    reference["runs"] = dict(sorted(runs.items(), key=lambda item: int(item[0])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(reference, indent=1) + "\n")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed rounds per message size")
+    parser = CourseArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed rounds per message size")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sizes", default="1K,32K,1M,16M", help="message sizes in bytes (K and M suffixes)")
+    parser.add_argument(
+        "--sizes", type=size_list, default="1K,32K,1M,16M", help="message sizes in bytes (K and M suffixes)"
+    )
     parser.add_argument("--skip-benchmark", action="store_true", help="parts 1 and 2 only")
-    parser.add_argument("--metrics-out", default=None, help="write results as JSON to this file")
-    args = parser.parse_args()
+    parser.add_argument("--metrics-out", type=Path, default=None, help="write results as JSON to this file")
+    parser.add_argument(
+        "--benchmark-out", type=Path, default=None, help="add this world size's timings to a reference JSON file"
+    )
+    args = parse_args(parser)
+    args.sizes_text = ",".join(f"{s >> 20}M" if s % (1 << 20) == 0 else f"{s >> 10}K" if s % 1024 == 0 else str(s)
+                               for s in args.sizes)  # fmt: skip
 
     local_rank, rank, device, world_size = setup(args.seed)
     print0(f"world size {world_size}, backend {dist.get_backend()}, device {device.type}")
 
     print0("\nPart 1: the collectives, rank by rank")
-    demos = demonstrate_collectives(rank, world_size)
+    demos = demonstrate_collectives(rank, world_size, device)
     for name, demo in demos.items():
         print0(f"  {name}")
         for r in range(world_size):
@@ -244,24 +340,40 @@ def main():
         "rs_ag": check_against_library("reduce-scatter + all-gather", all_reduce_from_collectives, device),
     }
 
-    rows = []
+    rows, fit = [], {}
     if not args.skip_benchmark:
-        print0("\nPart 3: time per all-reduce (median of rounds), bus bandwidth")
-        units = {"K": 1 << 10, "M": 1 << 20}
-        sizes = [int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s) for s in args.sizes.split(",")]
-        rows = benchmark(sizes, args.steps, device)
-        print0(f"{'bytes':>10} {'library':>12} {'ring':>12} {'ring/library':>13} {'busbw library':>14}")
+        print0(f"\nPart 3: time per all-reduce at {world_size} ranks (median of {args.steps} rounds)")
+        rows = benchmark(args.sizes, args.steps, device)
+        header = f"{'bytes':>10} {'library':>11} {'ring':>11} {'rs+ag':>11} {'ring speed':>11} {'algbw lib':>11}"
+        print0(header + f" {'busbw lib':>11}")
         for row in rows:
-            ratio = row["library"]["seconds"] / row["ring"]["seconds"]
+            # A speed ratio: library time / ring time (1.00x = as fast as the library, 0.50x = half as fast).
+            ring_speed = row["library"]["seconds"] / row["ring"]["seconds"]
+            times = "".join(f" {row[name]['seconds'] * 1e6:>9.0f}us" for name in IMPLEMENTATIONS)
             print0(
-                f"{row['bytes']:>10} {row['library']['seconds'] * 1e6:>10.0f}us {row['ring']['seconds'] * 1e6:>10.0f}us"
-                f" {ratio:>12.2f}x {row['library']['busbw_GBps']:>11.3f} GB/s"
+                f"{row['bytes']:>10}{times} {ring_speed:>10.2f}x"
+                f" {row['library']['algbw_GBps']:>6.3f} GB/s {row['library']['busbw_GBps']:>6.3f} GB/s"
             )
-        alpha, beta = fit_alpha_beta(rows, "library")
-        print0(f"alpha-beta fit (library): alpha = {alpha * 1e6:.0f} us, 1/beta = {1 / beta / 1e9:.2f} GB/s")
+        print0("ring speed = library time / ring time; algbw = bytes / time; busbw = algbw x 2(n-1)/n")
+        alpha, beta = fit_alpha_beta(rows, "library", world_size)
+        fit = {"alpha_s": alpha, "beta_s_per_byte": beta, "link_bandwidth_GBps": 1 / beta / 1e9 if beta else None}
+        if world_size > 1:
+            print0(
+                f"alpha-beta fit of the library, t(S) = 2(n-1) alpha + 2(n-1)/n S beta: "
+                f"alpha = {alpha * 1e6:.1f} us per message, 1/beta = {1 / beta / 1e9:.3f} GB/s per link"
+            )
+        if args.benchmark_out:
+            save_reference(args.benchmark_out, rows, args, device)
+            print0(f"reference timings at {world_size} ranks written to {args.benchmark_out}")
 
     write_metrics(
-        args.metrics_out, lesson="01_collectives", steps=args.steps, demos=demos, errors=errors, benchmark=rows
+        args.metrics_out,
+        lesson="01_collectives",
+        steps=args.steps,
+        demos=demos,
+        errors=errors,
+        benchmark=rows,
+        alpha_beta=fit,
     )
     print0(f"FINISHED lesson 01 on {world_size} ranks")
     destroy_process_group()

@@ -3,6 +3,7 @@
 `make check LESSON=01` runs these against exercises/01_collectives.py: each failure names its TODO.
 """
 
+import importlib.util
 import json
 
 import pytest
@@ -10,6 +11,13 @@ import pytest
 from tests.launch import ROOT, python, torchrun
 
 WORKER = ROOT / "tests" / "workers" / "collectives_check.py"
+
+
+def load_module(path):
+    spec = importlib.util.spec_from_file_location("lesson01", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
@@ -44,7 +52,9 @@ def test_todo3_all_reduce_from_reduce_scatter_and_all_gather(checks):
 
 
 def test_script_runs_and_writes_metrics(lesson, tmp_path):
-    run = torchrun(lesson("01"), 4, ["--sizes", "4K,64K", "--steps", "2"], tmp_path=tmp_path).check()
+    reference = tmp_path / "reference.json"
+    args = ["--sizes", "4K,64K", "--steps", "2", "--benchmark-out", reference]
+    run = torchrun(lesson("01"), 4, args, tmp_path=tmp_path).check()
     assert run.output.strip().splitlines()[-1].startswith("FINISHED"), run.tail()
     metrics = run.metrics
     assert metrics["world_size"] == 4 and len(metrics["hosts"]) == 4
@@ -56,11 +66,53 @@ def test_script_runs_and_writes_metrics(lesson, tmp_path):
     assert [row["bytes"] for row in metrics["benchmark"]] == [4096, 65536]
     for row in metrics["benchmark"]:
         for name in ("library", "ring", "rs_ag"):
-            assert row[name]["seconds"] > 0
-            assert row[name]["busbw_GBps"] == pytest.approx(row[name]["algbw_GBps"] * 2 * 3 / 4)
+            timing = row[name]
+            assert 0 < timing["seconds_min"] <= timing["seconds"] <= timing["seconds_max"], timing
+            assert timing["algbw_GBps"] == pytest.approx(row["bytes"] / timing["seconds"] / 1e9)
+            assert timing["busbw_GBps"] == pytest.approx(timing["algbw_GBps"] * 2 * 3 / 4)
+    assert set(metrics["alpha_beta"]) == {"alpha_s", "beta_s_per_byte", "link_bandwidth_GBps"}
+    assert "alpha-beta fit" in run.output and "ring speed = library time / ring time" in run.output
+    # --benchmark-out: the reference file the notebook renders, with the machine and versions beside it.
+    saved = json.loads(reference.read_text())["runs"]["4"]
+    assert saved["rows"] == metrics["benchmark"]
+    assert {"cpu", "cpu_cores", "torch", "python", "backend"} <= set(saved["machine"])
+    assert saved["rounds"] == 2 and "--nproc_per_node=4" in saved["command"]
+
+
+def test_alpha_beta_fit_recovers_the_ring_model(lesson):
+    """Timings made from t(S) = 2(n-1) alpha + 2(n-1)/n S beta give back alpha and beta themselves."""
+    module = load_module(lesson("01"))
+    alpha, beta, n = 50e-6, 1 / 2e9, 4  # 50 us per message, 2 GB/s per link
+    rows = [
+        {"bytes": size, "library": {"seconds": 2 * (n - 1) * alpha + 2 * (n - 1) / n * size * beta}}
+        for size in (1024, 65536, 1 << 20, 16 << 20)
+    ]
+    fitted_alpha, fitted_beta = module.fit_alpha_beta(rows, "library", n)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-6), "alpha must be the one-way cost of one message"
+    assert fitted_beta == pytest.approx(beta, rel=1e-6), "beta must be seconds per byte on one link"
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("--sizes", "16Q"), ("--sizes", "1K,6"), ("--sizes", "0"), ("--steps", "0")],
+    ids=["unit", "not-a-multiple-of-4", "zero-size", "zero-steps"],
+)
+def test_bad_options_end_at_once_with_one_line(lesson, option, value):
+    run = python(lesson("01"), [option, value], timeout=60)
+    assert run.returncode == 2, run.output
+    lines = run.output.strip().splitlines()
+    assert len(lines) == 1 and f"argument {option}" in lines[0] and "Traceback" not in run.output, run.output
 
 
 def test_runs_without_torchrun_as_a_world_of_one(lesson, tmp_path):
     run = python(lesson("01"), ["--skip-benchmark"], tmp_path=tmp_path).check()
     assert run.metrics["world_size"] == 1
     assert "world size 1" in run.output
+
+
+def test_untouched_exercise_stops_at_once_naming_todo_1(tmp_path):
+    """The generated exercise, as a learner first gets it: one line naming TODO 1, no hang."""
+    exercise = ROOT / "exercises" / "01_collectives.py"
+    run = torchrun(exercise, 2, ["--skip-benchmark"], timeout=120)  # at once; the margin is for a busy machine
+    assert run.returncode != 0
+    assert "TODO 1: the reduce-scatter phase of the ring is not done yet" in run.output, run.tail()

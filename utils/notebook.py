@@ -1,17 +1,28 @@
-"""Run the lesson scripts from a notebook cell, the way you would in a terminal.
+"""Run the lesson scripts from a notebook cell, the way you would in a terminal, or type on live ranks.
 
     from utils.notebook import torchrun
     metrics = torchrun("solutions/01_collectives.py", nproc=4, args=["--steps", "5"])
 
 is `torchrun --nproc_per_node=4 solutions/01_collectives.py --steps 5 --metrics-out ...`, printing
 what rank 0 prints and returning the script's metrics file as a dict.
+
+    from utils.notebook import start_ranks
+    ranks = start_ranks(4)        # 4 processes (ipyparallel engines), each rank r of one process group
+    %%px                          # a cell that every rank runs; `rank`, `world_size`, `device`, `dist` exist
+    x = torch.ones(2, device=device) * rank; dist.all_reduce(x); print(x)
+    ranks.stop()                  # leave the group, stop the processes
+
+After a crashed kernel, stop leftover ranks from a terminal with `python -m utils.notebook stop-ranks`.
 """
 
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import psutil
@@ -58,3 +69,219 @@ def torchrun(script, nproc: int = 2, args=(), *, show: bool = True, timeout: flo
             tail = "\n".join(stderr.splitlines()[-15:])
             raise RuntimeError(f"{script} failed (exit code {process.returncode}):\n{tail}")
         return json.loads(metrics_path.read_text())
+
+
+# --------------------------------------------------------------------------------------------------
+# Live ranks in a notebook: ipyparallel engines, each one rank of a process group
+# --------------------------------------------------------------------------------------------------
+
+CLUSTER_PREFIX = "course-ranks-"  # the clusters start_ranks() makes; `stop-ranks` stops only these
+
+# Run on every engine, with {placeholders} filled per rank: join the group the way a script does.
+_JOIN = """
+import os, sys
+course_root = {root!r}
+if {root!r} not in sys.path:
+    sys.path.insert(0, {root!r})
+os.environ.update({env!r})
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG, read again for the group made now
+from utils.distributed_utils import setup
+local_rank, rank, device, world_size = setup(seed={seed}, timeout_s={timeout_s})
+"""
+
+_LEAVE = """
+import torch.distributed as dist
+if dist.is_initialized():
+    dist.destroy_process_group()  # no barrier: the group may be broken (a timed-out collective)
+"""
+
+_LEAVE_CLEANLY = """
+import torch.distributed as dist
+if dist.is_initialized():
+    try:
+        dist.barrier()  # gloo: every rank gets here before any tears down
+    finally:
+        dist.destroy_process_group()
+"""
+
+
+def _interactive_shell():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+class Ranks:
+    """`world_size` live processes (ipyparallel engines); engine i is rank i of one process group.
+
+    %%px cells run on every rank (%%px --targets 0,1 on some). In each rank's namespace: rank,
+    local_rank, world_size, device, torch and dist. Results come back in rank order with pull().
+    """
+
+    def __init__(self, world_size: int, timeout_s: float | None, debug: str | None, seed: int):
+        import ipyparallel as ipp  # only the notebooks need it
+
+        gpus = _visible_gpus()
+        if gpus and world_size > gpus:
+            from utils.distributed_utils import CourseError
+
+            raise CourseError(
+                f"{world_size} ranks but {gpus} visible GPU(s): NCCL needs one GPU per rank; "
+                f"start at most {gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to use the CPU and gloo"
+            )
+        self.world_size, self.seed = world_size, seed
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        self.cluster = ipp.Cluster(
+            # The id names this process (the notebook's kernel): `stop-ranks` stops only ranks whose kernel is gone.
+            n=world_size,
+            cluster_id=f"{CLUSTER_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            log_level=logging.ERROR,
+        )
+        self.cluster.start_cluster_sync()
+        self.client = self.cluster.connect_client_sync()
+        self.client.wait_for_engines(world_size, timeout=120, interactive=False)
+        # Engine ids follow the order in which engines registered, not the order they were launched:
+        # give each engine its rank explicitly, rank = its position among the ids (0..n-1 on a fresh cluster).
+        self.engine_ids = sorted(self.client.ids)[:world_size]
+        self.view = self.client[self.engine_ids]
+        self.view.block = True
+        self.processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        self.restart(timeout_s=timeout_s, debug=debug)
+        shell = _interactive_shell()
+        if shell is not None:  # %%px and %px now run on these ranks
+            self.view.activate()
+            # One block of output per cell, in rank order, and no progress widget (reproducible outputs).
+            shell.run_line_magic("pxconfig", "--no-stream --progress-after -1")
+
+    def restart(self, timeout_s: float | None = None, debug: str | None = None):
+        """(Re-)create the process group on every rank, on a fresh port: after a collective timed out,
+        the group is unusable on every rank until it is destroyed and made again.
+
+        timeout_s: how long a collective waits for the others (default: the course's, COURSE_TIMEOUT_S);
+        debug: "DETAIL" sets TORCH_DISTRIBUTED_DEBUG=DETAIL (collectives checked for matching shapes), "OFF" unsets."""
+        from utils.distributed_utils import DEFAULT_TIMEOUT_S, free_port
+
+        if timeout_s is not None:
+            self.timeout_s = float(timeout_s)
+        elif not hasattr(self, "timeout_s"):
+            self.timeout_s = float(os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        if debug is not None:
+            self.debug = debug
+        elif not hasattr(self, "debug"):
+            self.debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
+        self.view.execute(_LEAVE, block=True)
+        port = free_port()
+        pending = []
+        for rank, engine in enumerate(self.engine_ids):
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),  # one machine: local rank = rank
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_WORLD_SIZE": str(self.world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "TORCH_DISTRIBUTED_DEBUG": self.debug,
+            }
+            code = _JOIN.format(root=str(ROOT), env=env, seed=self.seed, timeout_s=self.timeout_s)
+            pending.append(self.client[engine].execute(code, block=False))
+        for result in pending:
+            result.get(timeout=self.timeout_s + 60)
+
+    def pull(self, name: str) -> list:
+        """The value of `name` on every rank, in rank order (tensors come back as they are, on the CPU)."""
+        self.view.execute(f"_pulled = {name}.detach().cpu() if isinstance({name}, torch.Tensor) else {name}")
+        return self.view.pull("_pulled", block=True)
+
+    def pull_expression(self, expression: str) -> list:
+        """The value of a Python expression evaluated on every rank, in rank order."""
+        self.view.execute(f"_pulled = {expression}")
+        return self.view.pull("_pulled", block=True)
+
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of the ranks, in rank order."""
+        return [self.client[engine].apply_sync(os.getpid) for engine in self.engine_ids]
+
+    def stop(self, timeout: float = 30):
+        """Leave the process group on every rank, stop the engines and their controller; no process is left."""
+        try:
+            self.view.execute(_LEAVE_CLEANLY, block=False).get(timeout=timeout)
+        except Exception:  # a broken or stuck group: the processes are stopped below all the same
+            pass
+        try:
+            self.client.close()
+        finally:
+            try:
+                self.cluster.stop_cluster_sync()
+            finally:
+                alive = [p for p in self.processes if p.is_running()]
+                _, still_alive = psutil.wait_procs(alive, timeout=timeout)
+                for process in still_alive:
+                    kill_tree(process.pid)
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def start_ranks(world_size: int = 4, timeout_s: float | None = None, debug: str | None = None, seed: int = 0):
+    """Start `world_size` ranks that %%px cells run on; each has joined the process group (gloo on CPU,
+    NCCL with one GPU per rank where GPUs exist). Stop them with .stop()."""
+    return Ranks(world_size, timeout_s=timeout_s, debug=debug, seed=seed)
+
+
+def explain(error) -> list[str]:
+    """One line per failed rank of an ipyparallel CompositeError, in rank order, as the course's scripts say it."""
+    from utils.distributed_utils import _lost_peer
+
+    lines = []
+    for name, value, _, info in sorted(error.elist, key=lambda item: item[3].get("engine_id", -1)):
+        rank = info.get("engine_id", "?")
+        gist = value.strip().splitlines()[0] if value.strip() else name
+        gist = re.sub(r"^\[[^\]]*\]\s*", "", gist)  # drop gloo's [/path/file.cc:NN] prefix
+        timed_out = re.search(r"Timed out waiting (\d+)ms", gist)
+        if timed_out:
+            lines.append(
+                f"rank {rank}: the collective timed out after {int(timed_out.group(1)) / 1000:g} s. Another rank "
+                "crashed, is stuck, or skipped this collective"
+            )
+        elif _lost_peer(RuntimeError(value)):
+            lines.append(f"rank {rank}: the collective failed: a peer closed the connection (the group is broken)")
+        else:
+            lines.append(f"rank {rank}: {name}: {gist}")
+    return lines
+
+
+def stop_leftover_ranks(even_in_use: bool = False) -> int:
+    """Stop the ranks that start_ranks() made in a kernel that no longer runs (a crashed or killed kernel);
+    with even_in_use, those of running kernels too. Returns how many sets of ranks were stopped."""
+    from ipyparallel.cluster.cluster import ClusterManager
+
+    stopped = 0
+    for cluster in ClusterManager(log_level=logging.ERROR).load_clusters().values():
+        if not cluster.cluster_id.startswith(CLUSTER_PREFIX):
+            continue  # not the course's
+        owner = cluster.cluster_id[len(CLUSTER_PREFIX) :].split("-")[0]
+        if owner.isdigit() and psutil.pid_exists(int(owner)) and not even_in_use:
+            print(f"ranks {cluster.cluster_id} belong to the running process {owner}: left alone (--all stops them)")
+            continue
+        cluster.stop_cluster_sync()
+        stopped += 1
+    return stopped
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] not in (["stop-ranks"], ["stop-ranks", "--all"]):
+        sys.exit("usage: python -m utils.notebook stop-ranks [--all]   (stop ranks left running by a crashed notebook)")
+    count = stop_leftover_ranks(even_in_use=sys.argv[2:] == ["--all"])
+    print(f"stopped {count} set(s) of ranks left by notebooks")

@@ -1,0 +1,107 @@
+"""utils.notebook.start_ranks: live ranks for notebook cells (ipyparallel engines in one process group).
+
+Each test starts its own ranks, so these take a while on a busy 2-core machine (about 10 s each when idle).
+"""
+
+import time
+
+import psutil
+import pytest
+
+pytest.importorskip("ipyparallel")
+
+from ipyparallel.error import CompositeError  # noqa: E402
+
+from utils.notebook import _visible_gpus, explain, start_ranks  # noqa: E402
+
+GPUS = _visible_gpus()  # NCCL with one GPU per rank where GPUs exist, gloo on the CPU otherwise
+
+
+def no_process_left(ranks, pids):
+    """Every rank and the controller have exited (a zombie awaiting its parent counts as gone)."""
+    gone = []
+    for pid in [*pids, *(p.pid for p in ranks.processes)]:
+        try:
+            gone.append(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+        except psutil.NoSuchProcess:
+            gone.append(True)
+    return all(gone)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_start_run_a_collective_in_rank_order_and_stop_without_leftovers(world_size):
+    if 0 < GPUS < world_size:
+        pytest.skip(f"{world_size} ranks need {world_size} GPUs with NCCL; hide the GPUs to test on the CPU")
+    device_type = "cuda" if GPUS else "cpu"
+    ranks = start_ranks(world_size)
+    try:
+        pids = ranks.pids
+        assert len(set(pids)) == world_size, f"{world_size} ranks must be {world_size} processes: {pids}"
+        identity = ranks.pull_expression("(rank, world_size, local_rank, dist.get_rank(), device.type)")
+        assert identity == [(r, world_size, r, r, device_type) for r in range(world_size)], identity
+        ranks.view.execute("x = torch.arange(3.0, device=device) + 10 * rank; dist.all_reduce(x)")
+        expected = [sum(10 * r + i for r in range(world_size)) for i in range(3)]
+        assert [x.tolist() for x in ranks.pull("x")] == [expected] * world_size
+    finally:
+        ranks.stop()
+    assert no_process_left(ranks, pids), "start_ranks left processes running after stop()"
+
+
+@pytest.mark.skipif(0 < GPUS < 2, reason="2 ranks need 2 GPUs with NCCL; hide the GPUs to test on the CPU")
+def test_collective_on_some_ranks_ends_after_the_timeout_with_the_message_and_restart_repairs():
+    ranks = start_ranks(2, timeout_s=3)
+    try:
+        pids = ranks.pids
+        start = time.perf_counter()
+        with pytest.raises(CompositeError) as failure:
+            ranks.client[ranks.engine_ids[:1]].execute("dist.all_reduce(torch.ones(2, device=device))", block=True)
+        waited = time.perf_counter() - start
+        assert waited < 60, f"a collective on one of two ranks took {waited:.0f} s to fail (timeout 3 s)"
+        lines = explain(failure.value)
+        assert lines == [
+            "rank 0: the collective timed out after 3 s. Another rank crashed, is stuck, or skipped this collective"
+        ], lines
+        ranks.restart()
+        ranks.view.execute("y = torch.ones(2, device=device); dist.all_reduce(y)")
+        assert [y.tolist() for y in ranks.pull("y")] == [[2.0, 2.0]] * 2, "restart() must give a working group"
+        # A rank that raises: the error names that rank, and the others keep working.
+        with pytest.raises(CompositeError) as failure:
+            ranks.view.execute("if rank == 1: raise ValueError('no data on this rank')")
+        assert explain(failure.value) == ["rank 1: ValueError: no data on this rank"]
+        ranks.view.execute("z = torch.ones(1, device=device); dist.all_reduce(z)")
+        assert [z.item() for z in ranks.pull("z")] == [2.0, 2.0]
+    finally:
+        ranks.stop()
+    assert no_process_left(ranks, pids)
+
+
+ORPHAN = """
+import os, sys
+sys.path.insert(0, {root!r})
+from utils.notebook import start_ranks
+ranks = start_ranks(2)
+print(" ".join(str(p.pid) for p in ranks.processes), flush=True)
+os._exit(0)  # like a killed kernel: no clean-up at all
+"""
+
+
+@pytest.mark.skipif(0 < GPUS < 2, reason="2 ranks need 2 GPUs with NCCL; hide the GPUs to test on the CPU")
+def test_stop_ranks_command_cleans_up_after_a_killed_kernel():
+    import subprocess
+    import sys
+
+    from tests.launch import ROOT, course_env
+
+    env = course_env()
+    started = subprocess.run(
+        [sys.executable, "-c", ORPHAN.format(root=str(ROOT))], capture_output=True, text=True, timeout=300, env=env
+    )
+    pids = [int(pid) for pid in started.stdout.split()]
+    assert pids and all(psutil.pid_exists(pid) for pid in pids), started.stdout + started.stderr
+    stop = subprocess.run(
+        [sys.executable, "-m", "utils.notebook", "stop-ranks"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=30)
+    leftover = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not leftover, f"`python -m utils.notebook stop-ranks` left ranks running: {leftover}"
