@@ -1,0 +1,650 @@
+"""Lesson 04: tensor parallelism. Each rank holds a slice of every projection and computes a slice of its output.
+
+One layer too big for one device is split across the ranks of a node: q/k/v and the MLP's up projection by
+output features (column-parallel), o and down by input features (row-parallel), so a block needs one
+all-reduce in attention and one in the MLP per forward (and their conjugates in backward). Every rank reads
+the same batch; the TP size is the world size. With --sequence-parallel, the norms and residual adds work on
+1/N of the sequence and each all-reduce becomes a reduce-scatter + all-gather: the same bytes, less memory.
+N ranks train exactly like one process (the same batch, the same model: compare with lesson 00).
+
+    torchrun --nproc_per_node=2 solutions/04_tensor_parallel.py                          # DTensor parallelize_module
+    torchrun --nproc_per_node=4 solutions/04_tensor_parallel.py --tp-impl scratch        # the hand-written f/g layers
+    torchrun --nproc_per_node=4 solutions/04_tensor_parallel.py --sequence-parallel      # + sequence parallelism
+    sbatch slurm/04_tensor_parallel.sbatch solutions                                     # 1 node x 4 GPUs
+"""
+
+import sys
+from collections import Counter
+from contextlib import nullcontext
+from itertools import count
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader
+
+from utils.data import load_token_dataset
+from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.metrics import SavedActivations, state_bytes, write_metrics
+from utils.model import ModelConfig, build_model, count_parameters, loss_fn
+from utils.training import Logger, Throughput, base_parser, build_optimizer, check_batches, model_config, parse_args
+
+# --------------------------------------------------------------------------------------------------
+# Communication, counted: every collective this rank issues inside `with CollectiveCounter() as c:`
+# --------------------------------------------------------------------------------------------------
+
+# c10d's ops (what dist.all_reduce & co. call) and the functional ones DTensor uses -> one name per kind.
+COLLECTIVE_KINDS = {
+    "allreduce_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+}
+
+
+def _tensors(value):
+    """Every tensor in an argument (a tensor, or nested lists of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _full_bytes(name: str, args) -> int:
+    """The size of the whole (unsharded) tensor a collective works on: an all-reduce's tensor, an all-gather's
+    output, a reduce-scatter's input. On a ring each rank sends (N-1)/N of it (twice for an all-reduce)."""
+    if name in ("_allgather_base_", "allgather_"):  # (output, input, ...)
+        return sum(t.nbytes for t in _tensors(args[0]))
+    if name in ("_reduce_scatter_base_", "reduce_scatter_"):  # (output, input, ...)
+        return sum(t.nbytes for t in _tensors(args[1]))
+    if name == "all_gather_into_tensor":  # functional: (input, group_size, group_name)
+        return args[0].nbytes * args[1]
+    return sum(t.nbytes for t in _tensors(args[0]))  # all-reduce; functional reduce-scatter's input
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives (and their bytes) that run while it is active, forward, backward and step alike.
+
+    It sees each op before it runs; for a DTensor op it steps aside (NotImplemented) so that DTensor first turns
+    the op into local ops and collectives, which then pass through here as plain tensors.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.bytes = Counter(), Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        name = func._overloadpacket.__name__
+        if func.namespace in ("c10d", "_c10d_functional") and name in COLLECTIVE_KINDS:
+            kind = COLLECTIVE_KINDS[name]
+            self.calls[kind] += 1
+            self.bytes[kind] += _full_bytes(name, args)
+        return func(*args, **(kwargs or {}))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor parallelism from scratch: the collectives as autograd functions
+# --------------------------------------------------------------------------------------------------
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.clone(memory_format=torch.contiguous_format)  # never reduce into a tensor autograd may still use
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim` (the collective works on dim 0: move `dim` there and back)."""
+    n = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    dist.all_gather_single(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum `x` over the ranks and keep this rank's 1/N slice along `dim`."""
+    n = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+    dist.reduce_scatter_single(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's 1/N slice of `x` along `dim` (no communication)."""
+    return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+
+# TODO 1: the conjugate pair f and g. f enters a tensor-parallel region: every rank needs the whole input,
+#   which it already has, so f's forward is the identity; but each rank's slice of the layer contributes only a
+#   partial gradient for that input, so f's backward all-reduces (sums) the gradient. g leaves the region: each
+#   rank holds a partial sum of the output, so g's forward all-reduces it, and its backward passes the (already
+#   complete, identical) gradient through unchanged. Fill in the four methods with _all_reduce (backward returns
+#   one gradient per forward argument: None for `group`).
+# BEGIN SOLUTION
+class CopyToParallelRegion(torch.autograd.Function):
+    """f: identity in forward, all-reduce in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromParallelRegion(torch.autograd.Function):
+    """g: all-reduce in forward, identity in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+# EXERCISE
+# class CopyToParallelRegion(torch.autograd.Function):
+#     """f: identity in forward, all-reduce in backward."""
+#
+#     @staticmethod
+#     def forward(ctx, x, group):
+#         ctx.group = group
+#         raise NotImplementedError("TODO 1: the conjugate pair f and g")
+#
+#     @staticmethod
+#     def backward(ctx, grad):
+#         raise NotImplementedError("TODO 1: the conjugate pair f and g")
+#
+#
+# class ReduceFromParallelRegion(torch.autograd.Function):
+#     """g: all-reduce in forward, identity in backward."""
+#
+#     @staticmethod
+#     def forward(ctx, x, group):
+#         raise NotImplementedError("TODO 1: the conjugate pair f and g")
+#
+#     @staticmethod
+#     def backward(ctx, grad):
+#         raise NotImplementedError("TODO 1: the conjugate pair f and g")
+#
+#
+# END SOLUTION
+class Split(torch.autograd.Function):
+    """Keep this rank's slice along `dim` in forward; all-gather the slices' gradients in backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class Gather(torch.autograd.Function):
+    """All-gather along `dim` in forward for a computation every rank repeats in full (so each rank's gradient
+    is already complete); keep this rank's slice of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+def _shard(tensor: torch.Tensor, dim: int, group) -> nn.Parameter:
+    """This rank's slice of a full weight along `dim`, as a parameter that remembers how to gather it back."""
+    shard = nn.Parameter(_split(tensor.detach(), dim, group).clone())
+    shard.tp_dim = dim  # full_parameters() gathers along this dimension
+    return shard
+
+
+class ColumnParallelLinear(nn.Module):
+    """nn.Linear with its output features split over the ranks: rank r computes outputs [r*out/N, (r+1)*out/N).
+
+    Built from the full layer: this rank keeps its rows of the weight [out, in] and its slice of the bias, so
+    N ranks hold exactly the one-process layer between them. copy_input: apply f to the input (a standalone
+    layer); False where the block applied f once for several layers (q, k and v read the same input).
+    gather_output: all-gather the output slices into the full output.
+    """
+
+    def __init__(self, linear: nn.Linear, group, copy_input: bool = True, gather_output: bool = False):
+        super().__init__()
+        self.group, self.copy_input, self.gather_output = group, copy_input, gather_output
+        n = dist.get_world_size(group)
+        if linear.out_features % n:
+            raise CourseError(f"{linear.out_features} output features do not split over {n} ranks")
+        self.in_features, self.out_features = linear.in_features, linear.out_features // n  # local sizes
+        self.weight = _shard(linear.weight, 0, group)
+        self.bias = _shard(linear.bias, 0, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # TODO 2: the column-parallel forward. f on the input (if copy_input), then the local F.linear with this
+        #   rank's weight and bias: [..., in] -> [..., out / N]; then (if gather_output) the output slices
+        #   concatenated along the last dimension with Gather.apply(y, -1, self.group).
+        # BEGIN SOLUTION
+        if self.copy_input:
+            x = CopyToParallelRegion.apply(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return Gather.apply(y, -1, self.group) if self.gather_output else y
+        # END SOLUTION
+
+
+class RowParallelLinear(nn.Module):
+    """nn.Linear with its input features split over the ranks: rank r multiplies input features
+    [r*in/N, (r+1)*in/N) by the matching columns of the weight, a partial sum of the whole output.
+
+    Built from the full layer: this rank keeps its columns of the weight and a copy of the WHOLE bias (added
+    once, after the partial outputs are summed). input_is_parallel: the input arrives already split (the output
+    of a column-parallel layer); else it is split here. sequence_parallel: reduce-scatter the output along the
+    sequence instead of all-reducing it.
+    """
+
+    def __init__(self, linear: nn.Linear, group, input_is_parallel: bool = True, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        n = dist.get_world_size(group)
+        if linear.in_features % n:
+            raise CourseError(f"{linear.in_features} input features do not split over {n} ranks")
+        self.in_features, self.out_features = linear.in_features // n, linear.out_features  # local sizes
+        self.weight = _shard(linear.weight, 1, group)
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # TODO 3: the row-parallel forward. Split the input along the last dimension (Split.apply(x, -1, group))
+        #   unless it is already parallel; the local F.linear WITHOUT bias (a partial sum); then g
+        #   (ReduceScatterSequence with sequence_parallel, TODO 4); then add the bias.
+        # BEGIN SOLUTION
+        if not self.input_is_parallel:
+            x = Split.apply(x, -1, self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = ReduceScatterSequence.apply(y, self.group)
+        else:
+            y = ReduceFromParallelRegion.apply(y, self.group)
+        return y + self.bias
+        # END SOLUTION
+
+
+# TODO 4: the sequence-parallel pair. With sequence parallelism the residual stream holds 1/N of the
+#   sequence (dim 1) on each rank. Entering a tensor-parallel region, all-gather the sequence (the layers need
+#   every token); the gradients coming back are partial sums over the ranks' weight slices, so backward
+#   reduce-scatters them (sum, and keep this rank's sequence slice). Leaving the region, the row-parallel
+#   layer's partial outputs are reduce-scattered (sum, and keep this rank's slice), whose backward all-gathers.
+#   Together they move the same bytes as the all-reduce they replace: all-reduce = reduce-scatter + all-gather.
+#   Use _all_gather(x, 1, group) and _reduce_scatter(x, 1, group).
+# BEGIN SOLUTION
+class GatherSequence(torch.autograd.Function):
+    """SP's f: all-gather along the sequence in forward, reduce-scatter in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 1, ctx.group), None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """SP's g: reduce-scatter along the sequence in forward, all-gather in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, 1, ctx.group), None
+
+
+# EXERCISE
+# class GatherSequence(torch.autograd.Function):
+#     """SP's f: all-gather along the sequence in forward, reduce-scatter in backward."""
+#
+#     @staticmethod
+#     def forward(ctx, x, group):
+#         ctx.group = group
+#         raise NotImplementedError("TODO 4: the sequence-parallel pair")
+#
+#     @staticmethod
+#     def backward(ctx, grad):
+#         raise NotImplementedError("TODO 4: the sequence-parallel pair")
+#
+#
+# class ReduceScatterSequence(torch.autograd.Function):
+#     """SP's g: reduce-scatter along the sequence in forward, all-gather in backward."""
+#
+#     @staticmethod
+#     def forward(ctx, x, group):
+#         ctx.group = group
+#         raise NotImplementedError("TODO 4: the sequence-parallel pair")
+#
+#     @staticmethod
+#     def backward(ctx, grad):
+#         raise NotImplementedError("TODO 4: the sequence-parallel pair")
+# END SOLUTION
+
+
+def check_tensor_parallel_size(config: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool):
+    """Refuse a TP size that cannot split the heads, the MLP or (with SP) the sequence into equal whole parts."""
+    hidden = config.mlp_ratio * config.dim
+    if config.n_heads % tp:
+        raise CourseError(
+            f"a TP size of {tp} does not divide --n-heads {config.n_heads} (each rank needs whole heads): "
+            f"launch a number of processes that divides {config.n_heads}, or choose --n-heads as a multiple of {tp}"
+        )
+    if hidden % tp:
+        raise CourseError(f"a TP size of {tp} does not divide the MLP width {hidden}: choose a --dim that {tp} divides")
+    if sequence_parallel and seq_len % tp:
+        raise CourseError(
+            f"--sequence-parallel splits --seq-len {seq_len} over {tp} ranks: choose a --seq-len that {tp} divides"
+        )
+
+
+def tensor_parallel_block(block: nn.Module, group, sequence_parallel: bool = False):
+    """Shard one Block of utils/model.py in place: q/k/v/up column-parallel, o/down row-parallel."""
+    # TODO 5: a tensor-parallel block. Replace the block's own projections with parallel ones built from them:
+    #   attention.q_proj, k_proj, v_proj and mlp.up_proj column-parallel (copy_input=False), attention.o_proj
+    #   and mlp.down_proj row-parallel (sequence_parallel passed on). Attention needs no change: it reads its
+    #   head count from the local q_proj shape. Then make attention and mlp enter the parallel region once each,
+    #   with a forward pre-hook on the module that replaces its input by f(input) (GatherSequence(input) with
+    #   sequence parallelism): register_forward_pre_hook(lambda module, args: (new_input,)).
+    # BEGIN SOLUTION
+    attention, mlp = block.attention, block.mlp
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attention, name, ColumnParallelLinear(getattr(attention, name), group, copy_input=False))
+    attention.o_proj = RowParallelLinear(attention.o_proj, group, sequence_parallel=sequence_parallel)
+    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group, copy_input=False)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, group, sequence_parallel=sequence_parallel)
+    enter = GatherSequence if sequence_parallel else CopyToParallelRegion
+    for module in (attention, mlp):
+        module.register_forward_pre_hook(lambda module, args: (enter.apply(args[0], group),))
+    # END SOLUTION
+
+
+def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Replicated parameters that, with sequence parallelism, only see this rank's part of the sequence:
+    the norms and the row-parallel layers' biases (added after the reduce-scatter). Their gradients are partial."""
+    params = [p for name, p in model.named_parameters() if "norm" in name]
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear) and module.sequence_parallel:
+            params.append(module.bias)
+    return params
+
+
+def parallelize_scratch(model: nn.Module, group, sequence_parallel: bool = False) -> nn.Module:
+    """The hand-written tensor (and sequence) parallelism of the whole model; embeddings, norms and head replicated."""
+    for block in model.blocks:
+        tensor_parallel_block(block, group, sequence_parallel)
+    if sequence_parallel:
+        # The embeddings' output is whole on every rank: keep this rank's part of the sequence for the blocks.
+        model.blocks[0].register_forward_pre_hook(lambda module, args: (Split.apply(args[0], 1, group),))
+        # The final norm works on the sequence slice; the replicated head needs the whole sequence again.
+        model.norm.register_forward_hook(lambda module, args, output: Gather.apply(output, 1, group))
+    return model
+
+
+def allreduce_sequence_parallel_grads(model: nn.Module, group):
+    """After backward, with sequence parallelism: complete the partial gradients (one all-reduce for all)."""
+    params = [p for p in sequence_parallel_parameters(model) if p.grad is not None]
+    # TODO 6: sequence-parallel gradients. Each rank's norms (and row-parallel biases) saw only its part of the
+    #   sequence, so their gradients are partial sums: the full gradient is their sum over the ranks. Flatten
+    #   the gradients into one buffer (torch.cat of .flatten()), all-reduce it once, and copy the sums back.
+    # BEGIN SOLUTION
+    if not params:
+        return
+    flat = torch.cat([p.grad.flatten() for p in params])
+    dist.all_reduce(flat, group=group)
+    for p, summed in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(summed.view_as(p.grad))
+    # EXERCISE
+    # pass
+    # END SOLUTION
+
+
+# --------------------------------------------------------------------------------------------------
+# The built-in: DTensor's parallelize_module
+# --------------------------------------------------------------------------------------------------
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.Module:
+    """Tensor (and sequence) parallelism of the course model on a 1-D DeviceMesh (or a TP sub-mesh of a larger one)."""
+    check_tensor_parallel_size(model.config, tp_mesh.size(), model.config.seq_len, False)
+    # TODO 7: the same layout with DTensor. For each block, a plan {submodule path: style}: ColwiseParallel for
+    #   q/k/v/up, RowwiseParallel for o/down with output_layouts Shard(1) (SP) or Replicate(). PrepareModuleInput
+    #   on "attention" and "mlp" turns their input into one Replicate() DTensor (from Shard(1) with SP:
+    #   an all-gather), use_local_output=False, so q, k and v share one backward collective. With SP add
+    #   SequenceParallel() for attn_norm and mlp_norm, and on the model: PrepareModuleInput on "blocks.0"
+    #   (Replicate -> Shard(1), use_local_output=True), SequenceParallel() on "norm", PrepareModuleInput on "head"
+    #   (Shard(1) -> Replicate, use_local_output=True). Apply each plan with parallelize_module(module, tp_mesh, plan).
+    # BEGIN SOLUTION
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between the regions
+    enter = PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate(), use_local_output=False)
+    for block in model.blocks:
+        plan = {
+            "attention": enter,
+            "attention.q_proj": ColwiseParallel(),
+            "attention.k_proj": ColwiseParallel(),
+            "attention.v_proj": ColwiseParallel(),
+            "attention.o_proj": RowwiseParallel(output_layouts=stream),
+            "mlp": enter,
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=stream),
+        }
+        if sequence_parallel:
+            plan["attn_norm"] = SequenceParallel()
+            plan["mlp_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
+    if sequence_parallel:
+        plan = {
+            "blocks.0": PrepareModuleInput(
+                input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True
+            ),
+            "norm": SequenceParallel(),
+            "head": PrepareModuleInput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+            ),
+        }
+        parallelize_module(model, tp_mesh, plan)
+    # END SOLUTION
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# Full parameters, however sharded
+# --------------------------------------------------------------------------------------------------
+
+
+def full_parameters(model: nn.Module, group) -> dict[str, torch.Tensor]:
+    """Every parameter whole, under the names of the unsharded model (a collective: every rank calls it)."""
+    full = {}
+    for name, p in model.named_parameters():
+        p = p.detach()
+        if isinstance(p, DTensor):
+            p = p.full_tensor()
+        elif hasattr(model.get_parameter(name), "tp_dim"):
+            p = _all_gather(p, model.get_parameter(name).tp_dim, group)
+        full[name] = p
+    return full
+
+
+def checksum(parameters: dict[str, torch.Tensor]) -> float:
+    """utils.metrics.param_checksum of the full parameters: sum of squares in float64."""
+    return sum(float(p.double().pow(2).sum()) for p in parameters.values())
+
+
+def parameter_groups(model: nn.Module) -> list[dict]:
+    """DTensor parameters and plain ones in separate groups: a multi-tensor (foreach) optimizer step, the default
+    on GPUs, cannot mix the two kinds in one call."""
+    dtensors = [p for p in model.parameters() if isinstance(p, DTensor)]
+    plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    return [{"params": group} for group in (dtensors, plain) if group]
+
+
+def describe(model: nn.Module, name: str) -> dict:
+    """How a parameter is stored on this rank: its kind, placements, whole shape and local shape."""
+    p = model.get_parameter(name)
+    if isinstance(p, DTensor):
+        return {
+            "type": "DTensor",
+            "placements": [repr(x) for x in p.placements],
+            "global_shape": list(p.shape),
+            "local_shape": list(p.to_local().shape),
+        }
+    shape = list(p.shape)
+    if hasattr(p, "tp_dim"):  # a hand-written shard: the whole tensor is N slices along tp_dim
+        shape[p.tp_dim] *= dist.get_world_size()
+    placements = [f"Shard(dim={p.tp_dim})"] if hasattr(p, "tp_dim") else ["Replicate()"]
+    return {"type": "Parameter", "placements": placements, "global_shape": shape, "local_shape": list(p.shape)}
+
+
+def main():
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument(
+        "--tp-impl", choices=["scratch", "dtensor"], default="dtensor", help="hand-written layers or parallelize_module"
+    )
+    parser.add_argument("--sequence-parallel", action="store_true", help="split norms and residuals by sequence")
+    args = parse_args(parser)
+    local_rank, rank, device, world_size = setup(args.seed)
+    tp = world_size  # every rank is in the one tensor-parallel group
+    config = model_config(args)
+    check_tensor_parallel_size(config, tp, args.seq_len, args.sequence_parallel)
+
+    # Data: every rank of a tensor-parallel group reads the SAME batch (lesson 00's loader, same seed).
+    train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train), args, 1)  # no data parallelism: each rank needs the whole batch
+    generator = torch.Generator().manual_seed(args.seed)
+    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=generator)
+
+    # The full model on every rank (same seed), then sliced: each rank keeps its shards of the same weights.
+    tp_mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
+    group = tp_mesh.get_group()
+    model = build_model(config, seed=args.seed).to(device)
+    if args.tp_impl == "scratch":
+        model = parallelize_scratch(model, group, args.sequence_parallel)
+    else:
+        model = apply_tensor_parallel(model, tp_mesh, args.sequence_parallel)
+    optimizer = build_optimizer(parameter_groups(model), args)
+    examples = {
+        name: describe(model, name) for name in ("blocks.0.attention.q_proj.weight", "blocks.0.mlp.down_proj.weight")
+    }
+    print0(
+        f"{args.dataset}: {len(train)} blocks of {args.seq_len + 1} tokens | model: {count_parameters(config):,} "
+        f"parameters | TP {tp} ({args.tp_impl}{', sequence parallel' if args.sequence_parallel else ''}) | "
+        f"{args.optimizer} | batch {args.batch_size} | device {device.type}"
+    )
+    for name, info in examples.items():
+        print0(
+            f"  {name}: {info['type']}, placements {', '.join(info['placements'])}, "
+            f"shape {info['global_shape']}, local shape {info['local_shape']}"
+        )
+
+    def batches():
+        for _ in count():
+            yield from loader
+
+    logger = Logger(args, total_steps=args.steps)
+    throughput = Throughput(device)
+    counter = CollectiveCounter()
+    losses, activation_bytes = [], None
+    data = batches()
+    for step in range(1, args.steps + 1):
+        inputs, targets = next(data)
+        inputs, targets = inputs.to(device), targets.to(device)
+        measure = SavedActivations(exclude=model.parameters()) if step == 1 else nullcontext()
+        with counter:  # the training step's communication: forward, backward and the optimizer step
+            with measure:
+                loss = loss_fn(model(inputs), targets)  # every rank computes the same, whole loss
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            if args.tp_impl == "scratch" and args.sequence_parallel:
+                allreduce_sequence_parallel_grads(model, group)
+            optimizer.step()
+        if step == 1:
+            activation_bytes = measure.peak_bytes
+        losses.append(loss.item())
+        throughput.step(inputs.numel())  # every rank trained on the same tokens
+        logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)
+        if step % args.log_every == 0 or step == args.steps:
+            print0(f"step {step:4d}  loss {losses[-1]:.4f}")
+    logger.close()
+
+    calls = {kind: n // args.steps for kind, n in sorted(counter.calls.items())}
+    comm_bytes = {kind: n // args.steps for kind, n in sorted(counter.bytes.items())}
+    print0(
+        f"communication per step: {sum(calls.values())} collectives ("
+        + ", ".join(f"{n} {kind}" for kind, n in calls.items())
+        + f"), {sum(comm_bytes.values()):,} bytes of full tensors | activations saved for backward: "
+        + f"{activation_bytes:,} bytes per rank"
+    )
+    tokens_per_s = throughput.tokens_per_s
+    print0(f"throughput: {tokens_per_s:,.0f} tokens/s on {world_size} x {device.type}")
+    full = full_parameters(model, group)
+    if args.checkpoint:
+        save0({"model": {k: v.cpu() for k, v in full.items()}, "config": vars(config)}, args.checkpoint)
+        print0(f"saved the full model to {args.checkpoint}")
+    write_metrics(
+        args.metrics_out,
+        final_loss=losses[-1],
+        losses=losses,
+        steps=len(losses),
+        tokens_per_s=tokens_per_s,
+        param_checksum=checksum(full),
+        bytes_per_rank=state_bytes(model, optimizer),
+        optimizer=args.optimizer,
+        dataset=args.dataset,
+        tp_size=tp,
+        tp_impl=args.tp_impl,
+        sequence_parallel=args.sequence_parallel,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        dim=args.dim,
+        n_layers=args.n_layers,
+        collectives_per_step=calls,
+        comm_bytes_per_step=comm_bytes,
+        activation_bytes=activation_bytes,
+        examples=examples,
+    )
+    print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
+    del model, optimizer
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)
