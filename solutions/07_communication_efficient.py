@@ -1,0 +1,462 @@
+"""Lesson 07: communication-efficient training. Lesson 02's DDP loop, sending fewer bytes per step.
+
+DDP averages every gradient in full precision at every step. When the network is the bottleneck, send
+less: cast the gradients to 16 bits (fp16, bf16), keep only the k largest entries (top-k, with error
+feedback), round them to 8-bit integers (QSGD-style stochastic rounding), send a low-rank approximation
+(PowerSGD), or communicate only every H steps (Local SGD, post-local SGD). Each method is a DDP
+communication hook (`register_comm_hook`) or a change to the loop, and every byte that any method hands
+to a collective is counted the same way: what this rank sends on a ring (an all-reduce of B bytes over
+n ranks sends 2(n-1)/n x B, an all-gather of B bytes from each rank sends (n-1) x B).
+Compare this file with solutions/02_data_parallel.py: the difference is the lesson.
+
+    torchrun --nproc_per_node=4 solutions/07_communication_efficient.py --method none       # plain DDP
+    torchrun --nproc_per_node=4 solutions/07_communication_efficient.py --method topk --topk-ratio 0.01
+    torchrun --nproc_per_node=4 solutions/07_communication_efficient.py --method quantize --bits 8
+    torchrun --nproc_per_node=4 solutions/07_communication_efficient.py --method localsgd --local-steps 4
+    torchrun --nproc_per_node=4 solutions/07_communication_efficient.py --method powersgd --powersgd-rank 1
+    sbatch slurm/07_communication_efficient.sbatch solutions --method fp16                  # 2 nodes x 4 GPUs
+"""
+
+import math
+import os
+import sys
+from contextlib import contextmanager
+from itertools import count
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.utils.data import DataLoader, DistributedSampler
+
+from utils.data import load_token_dataset
+from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.metrics import param_checksum, state_bytes, write_metrics
+from utils.model import build_model, count_parameters, loss_fn
+from utils.training import (
+    Logger,
+    Throughput,
+    base_parser,
+    build_optimizer,
+    check_batches,
+    model_config,
+    parse_args,
+    positive_int,
+)
+
+METHODS = ["none", "fp16", "bf16", "topk", "quantize", "powersgd", "localsgd", "postlocal"]
+BITS = [2, 4, 8, 16, 32]  # 2-8 travel as int8, 16 as int16, 32 = full precision (nothing is rounded)
+
+
+# --------------------------------------------------------------------------------------------------
+# Counting bytes: every method's collectives pass through torch.distributed.all_reduce / all_gather_single
+# --------------------------------------------------------------------------------------------------
+
+
+def ring_bytes(collective: str, nbytes: int, group_size: int) -> float:
+    """Bytes one rank sends for a collective on a ring of `group_size` ranks (lesson 01's bus bytes).
+
+    all-reduce of B bytes: 2(n-1)/n x B (reduce-scatter then all-gather), whatever n is.
+    all-gather of B bytes from each rank: (n-1) x B, which grows with n: the price of sparse and
+    quantized methods, whose per-rank contributions cannot simply be added up on the way.
+    """
+    n = group_size
+    return 2 * (n - 1) / n * nbytes if collective == "all_reduce" else (n - 1) * nbytes
+
+
+class WireTap:
+    """Counts what this rank hands to collectives while `counting()` is on: the same count for every method.
+
+    The built-in hooks (fp16, PowerSGD, post-local SGD) and PeriodicModelAverager call
+    torch.distributed.all_reduce; our own hooks call all_reduce and all_gather_single. install() wraps those
+    two functions, so the hooks we wrote and the hooks we did not are measured by the same code.
+    """
+
+    def __init__(self):
+        self.active = False
+        self.sent = 0.0  # ring bytes sent since the last take()
+        self.payload = 0  # bytes of the tensors handed to collectives since the last take()
+        self.rounds = 0  # ring rounds since the last take(): each pays the link's latency (alpha) once
+
+    def install(self):
+        all_reduce, all_gather_single = dist.all_reduce, dist.all_gather_single
+
+        def counted_all_reduce(tensor, *args, **kwargs):
+            self._add("all_reduce", tensor, kwargs.get("group", args[1] if len(args) > 1 else None))
+            return all_reduce(tensor, *args, **kwargs)
+
+        def counted_all_gather_single(output, tensor, *args, **kwargs):
+            self._add("all_gather", tensor, kwargs.get("group", args[0] if args else None))
+            return all_gather_single(output, tensor, *args, **kwargs)
+
+        dist.all_reduce, dist.all_gather_single = counted_all_reduce, counted_all_gather_single
+        self._originals = (all_reduce, all_gather_single)
+
+    def uninstall(self):
+        dist.all_reduce, dist.all_gather_single = self._originals
+
+    def _add(self, collective, tensor, group):
+        if self.active:
+            nbytes = tensor.numel() * tensor.element_size()
+            self.payload += nbytes
+            n = dist.get_world_size(group)
+            self.sent += ring_bytes(collective, nbytes, n)
+            self.rounds += 2 * (n - 1) if collective == "all_reduce" else n - 1
+
+    @contextmanager
+    def counting(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def take(self) -> tuple[float, int, int]:
+        """(ring bytes sent, payload bytes, ring rounds) since the last call."""
+        taken = self.sent, self.payload, self.rounds
+        self.sent, self.payload, self.rounds = 0.0, 0, 0
+        return taken
+
+
+def checked(hook, bucket_sizes: dict):
+    """Wrap a communication hook: note each bucket's size, and check that the hook's Future holds one tensor
+    of exactly that size (DDP silently accepts a larger one and scrambles the gradients)."""
+
+    def wrapper(state, bucket):
+        size = bucket.buffer().numel()
+        bucket_sizes[bucket.index()] = size
+
+        def check(future):
+            value = future.value()
+            if not torch.is_tensor(value) or value.numel() != size:
+                got = f"a {type(value).__name__}" if not torch.is_tensor(value) else f"{value.numel()} values"
+                raise CourseError(f"the communication hook returned {got} for a bucket of {size} gradients")
+            return value
+
+        return hook(state, bucket).then(check)
+
+    return wrapper
+
+
+# --------------------------------------------------------------------------------------------------
+# The methods built from scratch: DDP communication hooks and the Local SGD average
+# --------------------------------------------------------------------------------------------------
+
+
+def allreduce_hook(group, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Plain DDP as a communication hook: the reference every other method is compared with."""
+    # TODO 1: a DDP communication hook. DDP calls it with each bucket of gradients (bucket.buffer(), one flat
+    #   tensor) and waits for the Future it returns, whose value must be ONE tensor of the bucket's size: the
+    #   averaged gradients. Launch dist.all_reduce(..., group=group, async_op=True) on the buffer (a sum),
+    #   take its .get_future(), and chain .then(...) a function that divides the sum by the group's size.
+    # BEGIN SOLUTION
+    buffer = bucket.buffer()
+    n = dist.get_world_size(group)
+    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+    return future.then(lambda fut: fut.value()[0].div_(n))
+    # END SOLUTION
+
+
+class TopKState:
+    def __init__(self, ratio: float, group=None):
+        self.ratio, self.group = ratio, group
+        self.errors = {}  # bucket index -> what this rank did not send yet (error feedback)
+
+
+def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Top-k sparsification with error feedback: each rank sends its k largest entries (value and index)."""
+    grad = bucket.buffer()
+    n = dist.get_world_size(state.group)
+    k = min(grad.numel(), max(1, math.ceil(state.ratio * grad.numel())))
+    # TODO 2: top-k with error feedback. Add what this rank kept back last time (state.errors[bucket.index()],
+    #   zeros at first) to the gradient; pick the k entries of largest magnitude (.abs().topk(k)); keep the rest
+    #   as the new error (the sent entries set to 0). All-gather the k values (float) and k indices (int32) of
+    #   every rank (dist.all_gather_single into buffers of n x k, async_op=True), wait for both with
+    #   torch.futures.collect_all([...]).then(...), and add every rank's values into a zero tensor of the
+    #   bucket's size (index_add_), divided by n. Entries no rank sent are 0 this step.
+    # BEGIN SOLUTION
+    error = state.errors.get(bucket.index())
+    corrected = grad + error if error is not None and error.numel() == grad.numel() else grad.clone()
+    indices = corrected.abs().topk(k, sorted=False).indices
+    values = corrected[indices]
+    corrected[indices] = 0
+    state.errors[bucket.index()] = corrected  # what was not sent goes into the next step's gradient
+    all_values = values.new_empty(n * k)
+    all_indices = torch.empty(n * k, dtype=torch.int32, device=grad.device)
+    futures = [
+        dist.all_gather_single(all_values, values, group=state.group, async_op=True).get_future(),
+        dist.all_gather_single(all_indices, indices.int(), group=state.group, async_op=True).get_future(),
+    ]
+
+    def decode(_):
+        return torch.zeros_like(grad).index_add_(0, all_indices.long(), all_values).div_(n)
+
+    return torch.futures.collect_all(futures).then(decode)
+    # EXERCISE
+    # raise NotImplementedError("TODO 2: top-k with error feedback")
+    # END SOLUTION
+
+
+def quantize(x: torch.Tensor, bits: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) with x ~ codes x scale: integers in [-L, L], L = 2^(bits-1) - 1, rounded at random so
+    that the mean of codes x scale over many draws is x (unbiased). bits = 32: x itself, scale 1."""
+    if bits == 32:
+        return x.clone(), torch.ones((), dtype=x.dtype, device=x.device)
+    levels = 2 ** (bits - 1) - 1
+    # TODO 3: stochastic rounding. Scale x into [-L, L] by one number per tensor (scale = max|x| / L; 1 if x is
+    #   all zeros). Round each entry down or up at random: up with probability equal to its fractional part
+    #   (torch.rand(..., generator=generator) < scaled - floor), so that on average it is not rounded at all.
+    #   Clamp to [-L, L] (floating-point rounding can push the largest entry just past L) and return the codes
+    #   as int8 (bits <= 8) or int16, with the scale.
+    # BEGIN SOLUTION
+    top = x.abs().max()
+    scale = top / levels if top > 0 else torch.ones((), dtype=x.dtype, device=x.device)
+    scaled = x / scale
+    low = scaled.floor()
+    up = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) < scaled - low
+    codes = (low + up).clamp_(-levels, levels).to(torch.int8 if bits <= 8 else torch.int16)
+    return codes, scale
+    # EXERCISE
+    # raise NotImplementedError("TODO 3: stochastic rounding")
+    # END SOLUTION
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.to(scale.dtype) * scale
+
+
+class QuantizeState:
+    def __init__(self, bits: int, seed: int, device, group=None):
+        self.bits, self.group = bits, group
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # each rank its own draws
+
+
+def quantize_hook(state: QuantizeState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """QSGD-style: each rank sends its gradients as small integers plus one scale; every rank decodes them all."""
+    grad = bucket.buffer()
+    n = dist.get_world_size(state.group)
+    # TODO 4: exchange quantized gradients. Quantize the bucket (TODO 3). Integer codes of different ranks have
+    #   different scales and would overflow if summed in 8 bits, so all-gather them instead: the codes into a
+    #   buffer of n x the codes' size, the scales (reshaped to 1 value) into n values, both async; then
+    #   collect_all(...).then(...) decodes each rank's row (dequantize, codes as an n-row view, scales as an
+    #   n x 1 column), sums the rows and divides by n.
+    # BEGIN SOLUTION
+    codes, scale = quantize(grad, state.bits, state.generator)
+    all_codes = codes.new_empty(n * codes.numel())
+    all_scales = scale.new_empty(n)
+    futures = [
+        dist.all_gather_single(all_codes, codes, group=state.group, async_op=True).get_future(),
+        dist.all_gather_single(all_scales, scale.reshape(1), group=state.group, async_op=True).get_future(),
+    ]
+
+    def decode(_):
+        return dequantize(all_codes.view(n, -1), all_scales.view(n, 1)).sum(0).div_(n)
+
+    return torch.futures.collect_all(futures).then(decode)
+    # EXERCISE
+    # raise NotImplementedError("TODO 4: exchange quantized gradients")
+    # END SOLUTION
+
+
+def local_hook(state, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Local SGD between averages: no communication, each rank keeps its own gradient."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def average_parameters(module: torch.nn.Module, group=None):
+    """Local SGD's synchronisation: replace every rank's parameters with their mean over the ranks."""
+    # TODO 5: average the parameters. Flatten them into one vector (parameters_to_vector: one collective instead
+    #   of one per tensor), all-reduce it (a sum), divide by the number of ranks, and write it back
+    #   (vector_to_parameters). Run every --local-steps steps, this keeps the ranks' models identical after
+    #   each average and lets them drift apart in between; with --local-steps 1 it is DDP again.
+    # BEGIN SOLUTION
+    with torch.no_grad():
+        params = list(module.parameters())
+        flat = parameters_to_vector(params)
+        dist.all_reduce(flat, group=group)
+        vector_to_parameters(flat.div_(dist.get_world_size(group)), params)
+    # EXERCISE
+    # raise NotImplementedError("TODO 5: average the parameters")
+    # END SOLUTION
+
+
+def bf16_hook(group, bucket):
+    """default_hooks.bf16_compress_hook under another name: DDP refuses that name without CUDA and NCCL,
+    though gloo all-reduces bfloat16 well."""
+    return default_hooks.bf16_compress_hook(group, bucket)
+
+
+def register_method(model: DistributedDataParallel, args, device, rank: int, bucket_sizes: dict):
+    """Give the DDP model the method's communication hook; return post-local SGD's averager (else None)."""
+    hook, state, averager = None, None, None
+    if args.method in ("none", "localsgd"):
+        hook = allreduce_hook if args.method == "none" else local_hook
+    elif args.method == "fp16":
+        hook = default_hooks.fp16_compress_hook
+    elif args.method == "bf16":
+        hook = bf16_hook
+    elif args.method == "topk":
+        hook, state = topk_hook, TopKState(args.topk_ratio)
+    elif args.method == "quantize":
+        hook, state = quantize_hook, QuantizeState(args.bits, seed=args.seed * 1000 + rank, device=device)
+    elif args.method == "powersgd":
+        hook = powerSGD_hook.powerSGD_hook
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=args.powersgd_rank,
+            start_powerSGD_iter=args.compress_start,  # full all-reduce first: DDP settles its buckets
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=args.seed,
+        )
+    elif args.method == "postlocal":
+        # Gradients are all-reduced within groups of --local-group-size ranks (a node: a fast link) at every
+        # step; the parameters are averaged over all ranks every --local-steps steps. (subgroup=None would
+        # make one group per node from the GPUs per node, which needs CUDA.)
+        subgroup, _ = dist.new_subgroups(group_size=args.local_group_size)
+        hook = post_localSGD_hook.post_localSGD_hook
+        state = post_localSGD_hook.PostLocalSGDState(
+            process_group=None, subgroup=subgroup, start_localSGD_iter=args.compress_start
+        )
+        averager = PeriodicModelAverager(period=args.local_steps, warmup_steps=args.compress_start)
+    model.register_comm_hook(state, checked(hook, bucket_sizes))
+    return averager
+
+
+def main():
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--method", choices=METHODS, default="none", help="how gradients (or models) are averaged")
+    parser.add_argument("--topk-ratio", type=float, default=0.01, help="topk: fraction of entries each rank sends")
+    parser.add_argument("--bits", type=int, choices=BITS, default=8, help="quantize: bits per entry (32: no rounding)")
+    parser.add_argument("--powersgd-rank", type=positive_int, default=1, help="powersgd: rank of the approximation")
+    parser.add_argument("--local-steps", type=positive_int, default=4, help="localsgd/postlocal: steps per average")
+    parser.add_argument(
+        "--compress-start", type=positive_int, default=2, help="powersgd/postlocal: full all-reduce steps first"
+    )
+    parser.add_argument(
+        "--local-group-size", type=positive_int, default=None, help="postlocal: ranks per gradient group (a node)"
+    )
+    args = parse_args(parser)
+    if not 0 < args.topk_ratio <= 1:
+        parser.error(f"argument --topk-ratio: must be in (0, 1], got {args.topk_ratio}; e.g. 0.01 sends 1%")
+    if args.method == "powersgd" and args.compress_start < 2:
+        parser.error("argument --compress-start: PowerSGD with error feedback needs at least 2; use 2")
+    local_rank, rank, device, world_size = setup(args.seed)
+    if args.local_group_size is None:
+        args.local_group_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if args.method == "postlocal" and world_size % args.local_group_size:
+        raise CourseError(
+            f"--local-group-size {args.local_group_size} does not divide the {world_size} ranks into equal groups; "
+            f"choose a divisor of {world_size} (the ranks per node)"
+        )
+    print0(f"global batch {args.batch_size * world_size} sequences = {args.batch_size} per rank x {world_size} ranks")
+
+    # Data: as in lesson 02, every rank reads its own slice of each global batch.
+    train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train), args, world_size)
+    sampler = DistributedSampler(
+        train, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+
+    config = model_config(args)
+    model = build_model(config, seed=args.seed).to(device)
+    device_ids = [device] if device.type == "cuda" else None
+    model = DistributedDataParallel(model, device_ids=device_ids)
+    bucket_sizes = {}  # bucket index -> gradients in it, as the hook saw them
+    averager = register_method(model, args, device, rank, bucket_sizes)
+    optimizer = build_optimizer(model.parameters(), args)
+    wire = WireTap()
+    wire.install()
+    print0(
+        f"{args.dataset}: {len(loader)} batches per rank per epoch | model: {count_parameters(config):,} parameters"
+        f" | {args.optimizer} | --method {args.method} | device {device.type}"
+    )
+
+    def batches():
+        for epoch in count():
+            sampler.set_epoch(epoch)
+            yield from loader
+
+    logger = Logger(args, total_steps=args.steps)
+    throughput = Throughput(device)
+    losses, sent, payload, rounds, spread = [], [], [], [], []
+    checksums = torch.zeros(world_size, dtype=torch.float64, device=device)
+    batch_iterator = batches()
+    for step in range(1, args.steps + 1):
+        inputs, targets = next(batch_iterator)
+        inputs, targets = inputs.to(device), targets.to(device)
+        optimizer.zero_grad(set_to_none=True)
+        with wire.counting():  # the gradients' communication happens inside backward, in the hook
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+        optimizer.step()
+        with wire.counting():  # the methods that average models do it after the optimizer step
+            if args.method == "localsgd" and step % args.local_steps == 0:
+                average_parameters(model.module)
+            if averager is not None:
+                averager.average_parameters(model.parameters())
+        bytes_sent, bytes_payload, ring_rounds = wire.take()
+        sent.append(bytes_sent)
+        payload.append(bytes_payload)
+        rounds.append(ring_rounds)
+
+        # Not counted (not part of training): the loss for logging, and how far the ranks' models drifted apart.
+        mine = torch.tensor([param_checksum(model.module)], dtype=torch.float64, device=device)
+        dist.all_gather_single(checksums, mine)
+        spread.append(float(checksums.max() - checksums.min()))
+        loss = loss.detach()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+        throughput.step(inputs.numel() * world_size)
+        logger.log(step, loss=losses[-1], bytes_sent=bytes_sent, tokens_per_s=throughput.tokens_per_s)
+        if step % args.log_every == 0 or step == args.steps:
+            print0(f"step {step:4d}  loss {losses[-1]:.4f}  sent {bytes_sent:12,.0f} bytes")
+    logger.close()
+    wire.uninstall()
+
+    tokens_per_s = throughput.tokens_per_s
+    per_step = sum(sent) / len(sent)
+    print0(f"throughput: {tokens_per_s:,.0f} tokens/s on {world_size} x {device.type}")
+    print0(f"--method {args.method}: sent {per_step:,.0f} bytes per step on average (ring model, per rank)")
+    if args.checkpoint:
+        state = {"model": model.module.state_dict(), "config": vars(config)}
+        save0(state, args.checkpoint)
+    write_metrics(
+        args.metrics_out,
+        final_loss=losses[-1],
+        losses=losses,
+        steps=len(losses),
+        tokens_per_s=tokens_per_s,
+        param_checksum=param_checksum(model.module),
+        bytes_per_rank=state_bytes(model, optimizer),
+        optimizer=args.optimizer,
+        dataset=args.dataset,
+        method=args.method,
+        topk_ratio=args.topk_ratio,
+        bits=args.bits,
+        powersgd_rank=args.powersgd_rank,
+        local_steps=args.local_steps,
+        compress_start=args.compress_start,
+        local_group_size=args.local_group_size,
+        bucket_sizes=[bucket_sizes[i] for i in sorted(bucket_sizes)],
+        bytes_sent=sent,
+        payload_bytes=payload,
+        ring_rounds=rounds,
+        bytes_sent_per_step=per_step,
+        rank_spread=spread,
+    )
+    print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
+    del model, optimizer, averager  # before the process group goes (lesson 02: gloo's teardown)
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)
