@@ -3,10 +3,10 @@
 """Lesson 02: data parallelism. Lesson 00's training script, run by N processes that each train on 1/N of every batch.
 
 Each rank holds a full copy of the model, reads a different slice of each global batch (DistributedSampler),
-and averages its gradients with the other ranks during backward (DistributedDataParallel, or the
-hand-written utils/ddp_scratch.py with --ddp scratch), so all copies take the same optimizer step.
+and averages its gradients with the other ranks during backward, so all copies take the same optimizer step.
 N ranks with a batch of b per rank train exactly like one process with a batch of N x b.
-Compare this file with solutions/00_setup_and_baseline.py: the difference is the lesson.
+The averaging is written here from scratch (DataParallel, --ddp scratch: TODOs 1-4), then done by PyTorch's
+DistributedDataParallel (--ddp builtin). Compare main() with solutions/00_setup_and_baseline.py.
 
     torchrun --nproc_per_node=4 solutions/02_data_parallel.py                  # built-in DDP
     torchrun --nproc_per_node=4 solutions/02_data_parallel.py --ddp scratch    # the hand-written one
@@ -14,8 +14,11 @@ Compare this file with solutions/00_setup_and_baseline.py: the difference is the
     sbatch slurm/02_data_parallel_2nodes.sbatch solutions                      # 2 nodes x 4 GPUs
 """
 
+import argparse
+import json
+import math
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from itertools import count
 from pathlib import Path
 
@@ -23,15 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from utils.data import load_token_dataset
-from utils.ddp_scratch import DataParallel, bus_bytes
-from utils.distributed_utils import destroy_process_group, print0, run_main, save0, setup
+from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (
+    DEFAULT_LR,
     Logger,
     Throughput,
     base_parser,
@@ -42,27 +46,242 @@ from utils.training import (
     positive_int,
 )
 
+# --------------------------------------------------------------------------------------------------
+# Data parallelism from scratch: what DistributedDataParallel does, on torch.distributed primitives
+# --------------------------------------------------------------------------------------------------
+
+
+class Bucket:
+    """Some parameters whose gradients travel together in one flat tensor (one all-reduce for all of them)."""
+
+    def __init__(self, index: int, params: list[nn.Parameter]):
+        self.index, self.params = index, params
+        self.offsets, total = {}, 0  # id(parameter) -> where its gradient starts in `flat`
+        for p in params:
+            self.offsets[id(p)] = total
+            total += p.numel()
+        self.flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        self.ready: set[int] = set()  # ids of the parameters whose gradient is in `flat`
+        self.work = None  # the handle of the asynchronous all-reduce, once launched
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def put(self, p: nn.Parameter):
+        """Copy p's gradient (zeros if it has none: a parameter this step did not use) into its slice of `flat`."""
+        offset = self.offsets[id(p)]
+        view = self.flat[offset : offset + p.numel()]
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad.reshape(-1))
+        self.ready.add(id(p))
+
+    def full(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def unpack(self):
+        """Copy the averaged gradients from `flat` back into each parameter's .grad."""
+        for p in self.params:
+            offset = self.offsets[id(p)]
+            averaged = self.flat[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = averaged.clone()
+            else:
+                p.grad.copy_(averaged)
+
+
+def bus_bytes(nbytes: int, world_size: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of `nbytes`: 2(N-1)/N x nbytes.
+
+    A ring all-reduce is a reduce-scatter then an all-gather, each moving (N-1)/N of the data per rank.
+    """
+    return 2 * (world_size - 1) / world_size * nbytes
+
+
+class DataParallel(nn.Module):
+    """A hand-written DistributedDataParallel: broadcast, bucketed asynchronous gradient all-reduce, no_sync.
+
+        model = DataParallel(model, bucket_cap_mb=25)   # instead of DistributedDataParallel(model)
+        loss_fn(model(x), y).backward()                 # gradients are averaged across ranks during backward
+        optimizer.step()
+
+    Works with frozen parameters (requires_grad=False: never sent), parameters a step does not use (their
+    bucket is sent at the end of backward, with zeros) and shared parameters (one gradient, sent once).
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0):
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size()
+        self.require_sync = True  # False inside no_sync()
+        self.allreduce_bytes = 0  # bytes of gradients all-reduced so far, all steps together
+        self.buckets_overlapped = 0  # in the last backward, buckets launched while backward was still running
+        self.launch_order: list[int] = []  # in the last backward, the buckets' indices in launch order
+
+        # TODO 1: the same start everywhere. Overwrite every rank's parameters and buffers with rank 0's
+        #   (dist.broadcast, in place, src=0), so that all copies start identical whatever seed each rank used.
+        raise NotImplementedError("TODO 1: the same start everywhere")
+
+        # Buckets, filled in reverse order of the parameters: backward produces the last layers' gradients
+        # first. Only parameters that train (requires_grad) get one. The order depends only on the model,
+        # so it is the same on every rank. (module.parameters() lists a shared parameter once.)
+        cap_bytes = bucket_cap_mb * 2**20
+        self.buckets: list[Bucket] = []
+        current, current_bytes = [], 0
+        for p in reversed([p for p in module.parameters() if p.requires_grad]):
+            current.append(p)
+            current_bytes += p.numel() * p.element_size()
+            if current_bytes >= cap_bytes:
+                self.buckets.append(Bucket(len(self.buckets), current))
+                current, current_bytes = [], 0
+        if current:
+            self.buckets.append(Bucket(len(self.buckets), current))
+        self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        self._next_to_launch = 0  # buckets are launched in list order: this one is next
+        self._syncing = False  # True from the first hook of a synchronising backward until its end
+
+        # A hook per parameter, called by autograd right after p.grad has been accumulated (once per backward,
+        # also for a parameter used twice in the forward: autograd sums its gradients before accumulating).
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate local gradients; the next one outside communicates."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def _gradient_ready(self, p: nn.Parameter):
+        """Autograd calls this as soon as p.grad holds this backward's gradient."""
+        if not self.require_sync:
+            return
+        if not self._syncing:
+            # First gradient of this backward: ask autograd to call us back when backward has finished,
+            # to wait for the buckets there (this is how DistributedDataParallel does it too).
+            self._syncing = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+        # TODO 2: fill the bucket and launch the full ones in a fixed order. Put p's gradient into its bucket
+        #   (self._bucket_of[id(p)].put(p)); then launch (self._launch) every full bucket from
+        #   self.buckets[self._next_to_launch] on, stopping at the first one that is not full. Hooks can fire
+        #   in a different order on different ranks; launching in list order makes every rank issue the same
+        #   sequence of all-reduces (else they pair up different tensors, or deadlock).
+        raise NotImplementedError("TODO 2: fill the bucket and launch the full ones in a fixed order")
+
+    def _launch(self, bucket: Bucket):
+        # TODO 3: launch the bucket's all-reduce without waiting for it. All-reduce bucket.flat in place with
+        #   op=ReduceOp.AVG and async_op=True, and keep the handle in bucket.work: backward goes on computing
+        #   earlier layers' gradients while the bucket is on the wire. (gloo has no PREMUL_SUM; AVG works on
+        #   gloo and NCCL alike.) Then count it: add bucket.nbytes to self.allreduce_bytes, append bucket.index
+        #   to self.launch_order, and advance self._next_to_launch.
+        raise NotImplementedError("TODO 3: launch the bucket's all-reduce without waiting for it")
+
+    def finish_gradient_synchronization(self):
+        """Wait for every bucket's all-reduce and write the averages into .grad. Runs at the end of backward."""
+        if not self._syncing:
+            return  # nothing to wait for (a no_sync backward, or already finished)
+        self.buckets_overlapped = self._next_to_launch
+        # A parameter that took no part in this forward has had no hook call: put its gradient (zeros if it
+        # has none) into its bucket anyway and launch the rest, so that every rank launches every bucket.
+        for bucket in self.buckets[self._next_to_launch :]:
+            for p in bucket.params:
+                if id(p) not in bucket.ready:
+                    bucket.put(p)
+            self._launch(bucket)
+        # TODO 4: wait for every bucket and unpack it. For each bucket in self.buckets: bucket.work.wait(),
+        #   then bucket.unpack() (the averaged gradients into .grad), then reset it for the next backward
+        #   (bucket.ready.clear(), bucket.work = None). optimizer.step() must see averaged gradients only.
+        raise NotImplementedError("TODO 4: wait for every bucket and unpack it")
+        self._next_to_launch, self._syncing = 0, False
+        self.launch_order = self.launch_order[-len(self.buckets) :]  # keep this backward's order only
+
+
+# --------------------------------------------------------------------------------------------------
+# The built-in path: a small function of (model, device), so later lessons can compose it
+# --------------------------------------------------------------------------------------------------
+
+
+def apply_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float = 25.0, **options) -> nn.Module:
+    """Wrap `model` in DistributedDataParallel (options: find_unused_parameters, static_graph,
+    gradient_as_bucket_view, ...). On a GPU, DDP wants the one device this rank uses."""
+    device_ids = [device] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, **options)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (a size in MB)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
+
+
+LR_SCALING = {"none": lambda k: 1.0, "linear": lambda k: k, "sqrt": math.sqrt}
+BASE_BATCH = 8  # the global batch the default learning rates were tuned for (lesson 00: 8 sequences, 1 process)
+
+
+def write_trace(profiler, path: Path):
+    """The profiled step's events that a timeline needs, as JSON: forward, backward, launches and all-reduces."""
+    keep = ("forward", "autograd::engine::evaluate_function", "c10d::allreduce_", "gloo:all_reduce", "Optimizer.step")
+    events = [
+        {"name": e.name, "thread": e.thread, "start_us": e.time_range.start, "end_us": e.time_range.end}
+        for e in profiler.events()
+        if any(k in e.name for k in keep)
+    ]
+    start = min(e["start_us"] for e in events)
+    for e in events:
+        e["start_us"] -= start
+        e["end_us"] -= start
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(events) + "\n")
+
 
 def main():
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--ddp", choices=["builtin", "scratch"], default="builtin", help="which data parallelism")
     parser.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size (both --ddp)")
+    parser.add_argument(
+        "--bucket-cap-mb", type=positive_float, default=25.0, help="gradient bucket size in MB (both --ddp)"
+    )
+    parser.add_argument(
+        "--lr-scaling",
+        choices=list(LR_SCALING),
+        default="none",
+        help=f"scale --lr with the global batch / {BASE_BATCH}: none, linear (x k) or sqrt (x sqrt k)",
+    )
+    parser.add_argument("--trace", type=Path, default=None, help="profile step 3 and write its events here (JSON)")
     args = parse_args(parser)
     local_rank, rank, device, world_size = setup(args.seed)
 
-    # TODO 1: the global batch recipe. Lesson 00 refused to run with more than one process; here every
+    # TODO 5: the global batch recipe. Lesson 00 refused to run with more than one process; here every
     #   rank trains on its own micro-batches, so one optimizer step sees
     #   global batch = micro-batch per rank (--batch-size) x micro-batches per step (--grad-accum) x ranks.
     #   Compute `global_batch_size` and print it once (print0), as the recipe.
     if world_size > 1:
-        raise NotImplementedError("TODO 1: the global batch recipe")  # lesson 00 ran one process only
+        raise NotImplementedError("TODO 5: the global batch recipe")  # lesson 00 ran one process only
     global_batch_size = args.batch_size * args.grad_accum
+    # A larger global batch averages the gradient over more samples (less noise): the same learning rate then
+    # takes fewer, equally long steps per epoch. --lr-scaling linear multiplies it by k = global batch / 8.
+    base_lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+    args.lr = base_lr * LR_SCALING[args.lr_scaling](global_batch_size / BASE_BATCH)
+    if args.lr_scaling != "none":
+        print0(f"learning rate {args.lr:.4g} = {base_lr:.4g} x {args.lr_scaling}({global_batch_size} / {BASE_BATCH})")
 
     # Data: fixed-length blocks of tokens, every rank with the whole data set (utils.sharding shows other ways).
     train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
     check_batches(len(train), args, world_size, per_step=args.grad_accum)  # else some rank waits for data forever
-    # TODO 2: shard the data with a DistributedSampler. Every rank draws the same shuffled order (same seed)
+    # TODO 6: shard the data with a DistributedSampler. Every rank draws the same shuffled order (same seed)
     #   and keeps every world_size-th sample, so the ranks' batches are disjoint slices of one global batch.
     #   drop_last=True drops the last few samples instead of padding the epoch by repeating some.
     #   Give the sampler to the DataLoader (a loader takes shuffle= or sampler=, not both).
@@ -72,9 +291,9 @@ def main():
     # The model: the same weights for the same --seed, on whatever device setup() picked.
     config = model_config(args)
     model = build_model(config, seed=args.seed).to(device)
-    # TODO 3: wrap the model for data parallelism: DistributedDataParallel (--ddp builtin) or the hand-written
-    #   DataParallel (--ddp scratch). Both broadcast rank 0's weights, then average the gradients across
-    #   ranks during backward, bucket by bucket (--bucket-cap-mb). On a GPU, DDP wants device_ids=[device].
+    # TODO 7: wrap the model for data parallelism: the built-in DistributedDataParallel (--ddp builtin, through
+    #   apply_ddp) or the DataParallel above (--ddp scratch). Both broadcast rank 0's weights, then average the
+    #   gradients across ranks during backward, bucket by bucket (--bucket-cap-mb).
     pass
     optimizer = build_optimizer(model.parameters(), args)
     print0(
@@ -88,34 +307,47 @@ def main():
         for epoch in count():
             if epoch > 0:
                 print0(f"epoch {epoch}: another pass over the data")
-            # TODO 4: reshuffle every epoch. A DistributedSampler draws its order from seed + epoch, and only
+            # TODO 8: reshuffle every epoch. A DistributedSampler draws its order from seed + epoch, and only
             #   learns the epoch from set_epoch(epoch): without it, every epoch repeats the first one's order.
             pass
-            yield from loader
+            yielded = 0
+            for batch in loader:
+                yielded += 1
+                yield batch
+            if not yielded:  # a way out: an epoch without a batch would make this loop spin forever
+                raise CourseError(
+                    f"an epoch gave rank {rank} no batch of {args.batch_size}: use a smaller --batch-size"
+                )
 
     logger = Logger(args, total_steps=args.steps)
     throughput = Throughput(device)
     losses = []
     micro_batches = batches()
     for step in range(1, args.steps + 1):
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.zeros((), device=device)
-        for micro_step in range(args.grad_accum):
-            inputs, targets = next(micro_batches)
-            inputs, targets = inputs.to(device), targets.to(device)
-            last = micro_step == args.grad_accum - 1
-            # TODO 5: accumulate gradients without communicating. On every micro-step but the last, run
-            #   backward inside model.no_sync(): the gradients only add up locally, and the last backward
-            #   all-reduces their sum once per optimizer step instead of once per micro-step.
-            sync = nullcontext()
-            with sync:
-                # Each micro-batch's mean loss / grad_accum: the gradients add up to the global batch's mean.
-                loss = loss_fn(model(inputs), targets) / args.grad_accum
-                loss.backward()
-            step_loss += loss.detach()
-        optimizer.step()
+        profiling = args.trace is not None and step == min(3, args.steps)
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profiling else None
+        with profiler or nullcontext():
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), device=device)
+            for micro_step in range(args.grad_accum):
+                inputs, targets = next(micro_batches)
+                inputs, targets = inputs.to(device), targets.to(device)
+                last = micro_step == args.grad_accum - 1
+                # TODO 9: accumulate gradients without communicating. On every micro-step but the last, run
+                #   backward inside model.no_sync(): the gradients only add up locally, and the last backward
+                #   all-reduces their sum once per optimizer step instead of once per micro-step.
+                sync = nullcontext()
+                with sync:
+                    # Each micro-batch's mean loss / grad_accum: the k micro-batches' gradients then add up to
+                    # the mean over all k x b sequences, the gradient of one batch k times as large.
+                    loss = loss_fn(model(inputs), targets) / args.grad_accum
+                    loss.backward()
+                step_loss += loss.detach()
+            optimizer.step()
+        if profiling and rank == 0:
+            write_trace(profiler, args.trace)
 
-        # TODO 6: average the loss across ranks for logging. Each rank knows only its own slice's loss;
+        # TODO 10: average the loss across ranks for logging. Each rank knows only its own slice's loss;
         #   all-reduce it with ReduceOp.AVG so rank 0 logs the global batch's loss (equal batch sizes:
         #   the mean of the ranks' means is the global mean). It costs one tiny collective per step.
         pass
@@ -135,7 +367,7 @@ def main():
             f"{bus_bytes(allreduce_bytes, world_size):,.0f} bytes per rank for them"
         )
     if args.checkpoint:
-        # TODO 7: save the model once, unwrapped. Every rank holds the same weights: rank 0 alone writes
+        # TODO 11: save the model once, unwrapped. Every rank holds the same weights: rank 0 alone writes
         #   (save0). Save the inner module's state dict (model.module): its names have no "module." prefix,
         #   so the file loads into a plain model on one process, like lesson 00's checkpoint.
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": vars(config)}
@@ -150,6 +382,8 @@ def main():
         param_checksum=param_checksum(model),
         bytes_per_rank=state_bytes(model, optimizer),
         optimizer=args.optimizer,
+        lr=args.lr,
+        lr_scaling=args.lr_scaling,
         dataset=args.dataset,
         ddp=args.ddp,
         grad_accum=args.grad_accum,
@@ -157,6 +391,8 @@ def main():
         batches_per_epoch=len(loader),
         allreduce_bytes_per_step=allreduce_bytes,
         bus_bytes_per_step=None if allreduce_bytes is None else bus_bytes(allreduce_bytes, world_size),
+        buckets=len(model.buckets) if isinstance(model, DataParallel) else None,
+        buckets_overlapped=model.buckets_overlapped if isinstance(model, DataParallel) else None,
     )
     print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
     # DDP keeps a reference to the process group: free it while the group still exists. (Freed only after

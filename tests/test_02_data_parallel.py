@@ -3,10 +3,14 @@
 pytest tests/test_02_data_parallel.py                      # the solution
 pytest tests/test_02_data_parallel.py --target exercises   # your exercise (make check LESSON=02)
 
-Each run is launched once, the first time a test needs it, and shared by the tests below. The
-reference is the same script on one process with the global batch: 8 sequences per step.
+TODOs 1-4 (the hand-written DataParallel) are checked by tests/workers/ddp_parity.py under torchrun, on small
+models: a plain one, one with a frozen layer, one with parameters some steps do not use, one with a shared
+weight. TODOs 5-11 (the training script) are checked by running the script. Each run is launched once, the
+first time a test needs it, and shared by the tests below. The reference is the same script on one process
+with the global batch: 8 sequences per step.
 """
 
+import json
 import re
 
 import pytest
@@ -23,12 +27,114 @@ COMMON = [*SMALL, "--seq-len", "32", "--steps", "4"]
 RUNS = {  # name: (processes, arguments); every one has a global batch of 8 sequences
     "one": (1, ["--batch-size", "8"]),
     "builtin2": (2, ["--batch-size", "4", "--ddp", "builtin"]),
-    "scratch2": (2, ["--batch-size", "4", "--ddp", "scratch"]),
-    "builtin4": (4, ["--batch-size", "2", "--ddp", "builtin"]),
-    "scratch4": (4, ["--batch-size", "2", "--ddp", "scratch"]),
+    "scratch4": (4, ["--batch-size", "2", "--ddp", "scratch", "--bucket-cap-mb", "0.05"]),
     "accum2": (2, ["--batch-size", "2", "--grad-accum", "2", "--ddp", "scratch"]),
 }
-PARALLEL = ["builtin2", "scratch2", "builtin4", "scratch4"]
+PARALLEL = ["builtin2", "scratch4", "accum2"]
+
+
+# --------------------------------------------------------------------------------------------------
+# TODOs 1-4: the hand-written DataParallel, on small models (tests/workers/ddp_parity.py, 2 ranks)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def scratch(lesson, tmp_path_factory):
+    """The worker's results for the lesson's DataParallel (and for DistributedDataParallel) at 2 ranks."""
+    path = tmp_path_factory.mktemp("ddp_parity") / "results.json"
+    torchrun(ROOT / "tests/workers/ddp_parity.py", 2, [lesson("02"), path], timeout=180).check()
+    return json.loads(path.read_text())
+
+
+def reached(results, check: str, todo: int):
+    """Fail naming the TODO the check stopped at, if it stopped at an unfinished one."""
+    stopped = results.get("stopped", {}).get(check)
+    assert stopped is None, f"{stopped.split(':')[0]}: not done yet ({stopped}); complete it, then TODO {todo}"
+
+
+def test_todo1_broadcast_gives_every_rank_rank0_weights(scratch):
+    reached(scratch, "broadcast", 1)
+    diff = scratch["broadcast_diff"]
+    assert diff == 0, (
+        f"TODO 1: after wrapping, a rank's weights differ from rank 0's by {diff:.1e}: "
+        "dist.broadcast(tensor, src=0) every parameter and buffer"
+    )
+
+
+def test_todo2_hooks_launch_every_bucket_during_backward_in_order(scratch):
+    reached(scratch, "launch", 2)
+    launch = scratch["launch"]
+    buckets = launch["buckets"]
+    assert buckets >= 3, f"only {buckets} buckets: the tiny bucket cap should split the gradients"
+    assert launch["overlapped"] == buckets, (
+        f"TODO 2: {launch['overlapped']} of {buckets} buckets were launched from the hooks, the rest only at the end "
+        "of backward: put each gradient into its bucket and launch every full bucket, in order, from the hook"
+    )
+    expected = list(range(buckets))
+    assert all(order == expected for order in launch["orders"]), (
+        f"TODO 2: buckets launched in the orders {launch['orders']}, not {expected} on every rank: "
+        "launch from self._next_to_launch on, stopping at the first bucket that is not full"
+    )
+
+
+def test_todo3_async_allreduce_counts_each_bucket_once(scratch):
+    reached(scratch, "launch", 3)
+    launch = scratch["launch"]
+    assert launch["handles"] == ["Work"], (
+        f"TODO 3: bucket.work holds {launch['handles']}, not the handle dist.all_reduce(..., async_op=True) returns"
+    )
+    assert launch["allreduce_bytes"] == launch["param_bytes"], (
+        f"TODO 3: counted {launch['allreduce_bytes']} bytes all-reduced in one backward for "
+        f"{launch['param_bytes']} bytes of gradients: add bucket.nbytes once per launched bucket"
+    )
+
+
+def test_todo4_wait_and_unpack_gives_averaged_gradients(scratch):
+    reached(scratch, "launch", 4)
+    launch = scratch["launch"]
+    assert launch["grad_vs_average"] <= TOLERANCE, (
+        f"TODO 4: after backward, .grad differs from the average over ranks by {launch['grad_vs_average']:.1e}: "
+        "wait for each bucket's all-reduce (ReduceOp.AVG, TODO 3) and unpack it into .grad"
+    )
+    assert launch["buckets_reset"], "TODO 4: reset each bucket after unpacking (ready.clear(), work = None)"
+
+
+MODELS = ["mlp", "frozen", "unused", "tied"]
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("kind", MODELS)
+def test_todos_1_2_3_4_data_parallel_matches_one_process(scratch, kind, accum):
+    """2 ranks with batch b take the SGD steps of one process with batch 2b: with a frozen layer (never sent),
+    parameters a step does not use (sent as zeros at the end of backward), a weight used twice (sent once),
+    and with 2 micro-batches under no_sync."""
+    key = f"{kind}_scratch_small_buckets_accum{accum}"
+    reached(scratch, key, 4)
+    diff = scratch[f"max_diff_{key}"]
+    assert diff <= TOLERANCE, f"TODO 4: the {kind} model differs from one process by {diff:.1e} (accumulation {accum})"
+    sent, trained = scratch[f"allreduce_bytes_{key}"], scratch[f"trained_bytes_{kind}"]
+    assert sent == trained, f"TODO 3: {sent:,.0f} bytes all-reduced per step for {trained:,} bytes of trained gradients"
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_builtin_ddp_matches_one_process(scratch, kind):
+    """The reference the hand-written wrapper is held to (find_unused_parameters=True for the unused model)."""
+    for accum in (1, 2):
+        diff = scratch[f"max_diff_{kind}_builtin_accum{accum}"]
+        assert diff <= TOLERANCE, f"DistributedDataParallel on the {kind} model differs by {diff:.1e}"
+
+
+def test_bus_bytes_is_the_ring_formula(lesson):
+    """2(N-1)/N x the bytes: what each rank sends (and receives) in a ring all-reduce."""
+    from tests.workers.ddp_parity import load_lesson
+
+    bus_bytes = load_lesson(lesson("02")).bus_bytes
+    assert [bus_bytes(1200, n) for n in (1, 2, 4, 8)] == [0, 1200, 1800, 2100]
+
+
+# --------------------------------------------------------------------------------------------------
+# TODOs 5-11: the training script
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -71,123 +177,162 @@ def max_difference(a: dict, b: dict) -> float:
 
 
 def check_recipe(result, metrics, expected: str):
-    assert metrics["world_size"] == 2, f"TODO 1: the run had world size {metrics['world_size']}, not 2"
+    assert metrics["world_size"] == 2, f"TODO 5: the run had world size {metrics['world_size']}, not 2"
     assert metrics["global_batch_size"] == 8, (
-        f"TODO 1: global batch = batch per rank x accumulation x ranks = 8, not {metrics['global_batch_size']}"
+        f"TODO 5: global batch = batch per rank x accumulation x ranks = 8, not {metrics['global_batch_size']}"
     )
-    assert result.output.count("global batch 8") == 1, "TODO 1: print the recipe once, from rank 0 (print0)"
-    assert expected in result.output, f"TODO 1: the recipe should read '{expected} ...'"
+    assert result.output.count("global batch 8") == 1, "TODO 5: print the recipe once, from rank 0 (print0)"
+    assert expected in result.output, f"TODO 5: the recipe should read '{expected} ...'"
 
 
-def test_todo1_global_batch_recipe(run):
+def test_todo5_global_batch_recipe(run):
     result, _ = run("builtin2")
-    check_recipe(result, finished(result, 1), "8 sequences = 4 per rank x 1")
+    check_recipe(result, finished(result, 5), "8 sequences = 4 per rank x 1")
 
 
-def test_todo2_distributed_sampler_gives_each_rank_its_share(run):
-    one, ranks = finished(run("one")[0], 2), finished(run("builtin2")[0], 2)
+def test_todo6_distributed_sampler_gives_each_rank_its_share(run):
+    one, ranks = finished(run("one")[0], 6), finished(run("builtin2")[0], 6)
     assert ranks["batches_per_epoch"] == one["batches_per_epoch"], (
-        f"TODO 2: each of 2 ranks should get half the data per epoch ({one['batches_per_epoch']} batches of 4), "
+        f"TODO 6: each of 2 ranks should get half the data per epoch ({one['batches_per_epoch']} batches of 4), "
         f"not {ranks['batches_per_epoch']}: give the DataLoader a DistributedSampler"
     )
 
 
 @pytest.mark.parametrize("name", PARALLEL)
-def test_todo3_ddp_wrap_matches_single_process(run, name):
-    one_metrics, one_folder = finished(run("one")[0], 3), run("one")[1]
+def test_todo7_ddp_wrap_matches_single_process(run, name):
+    one_metrics, one_folder = finished(run("one")[0], 7), run("one")[1]
     result, folder = run(name)
-    metrics = finished(result, 3)
+    metrics = finished(result, 7)
     difference = max_difference(weights(folder), weights(one_folder))
     assert difference <= TOLERANCE, (
-        f"TODO 3: after 4 SGD steps, {name} differs from one process by {difference:.1e} on some parameter "
-        "(wrap the model so gradients are averaged across ranks; TODO 2 gives each rank different data)"
+        f"TODO 7: after 4 SGD steps, {name} differs from one process by {difference:.1e} on some parameter "
+        "(wrap the model so gradients are averaged across ranks; TODO 6 gives each rank different data)"
     )
-    assert metrics["param_checksum"] == pytest.approx(one_metrics["param_checksum"], rel=1e-6), "TODO 3"
+    assert metrics["param_checksum"] == pytest.approx(one_metrics["param_checksum"], rel=1e-6), "TODO 7"
 
 
-def test_todo4_set_epoch_reshuffles_every_epoch(lesson, tmp_path):
+def test_todo8_set_epoch_reshuffles_every_epoch(lesson, tmp_path):
     """With --lr 0 the model never changes, so each step's loss depends only on the batch it saw:
     equal losses in epoch 1 and epoch 2 mean the same batches in the same order."""
     args = [*SMALL, "--seq-len", "256", "--batch-size", "128", "--steps", "12", "--lr", "0"]
     result = torchrun(lesson("02"), 2, [*args, "--log-dir", tmp_path / "runs"], tmp_path=tmp_path)
-    metrics = finished(result, 4)
+    metrics = finished(result, 8)
     per_epoch = metrics["batches_per_epoch"]
-    assert per_epoch == 6, f"TODO 2: 1562 blocks over 2 ranks in batches of 128 make 6 batches, not {per_epoch}"
+    assert per_epoch == 6, f"TODO 6: 1562 blocks over 2 ranks in batches of 128 make 6 batches, not {per_epoch}"
     first, second = metrics["losses"][:6], metrics["losses"][6:]
-    assert first != second, "TODO 4: epoch 2 repeated epoch 1's batches: call sampler.set_epoch(epoch)"
+    assert first != second, "TODO 8: epoch 2 repeated epoch 1's batches: call sampler.set_epoch(epoch)"
 
 
-def test_todo5_no_sync_accumulation_matches_one_large_batch(run):
+def test_todo9_no_sync_accumulation_matches_one_large_batch(run):
     result, folder = run("accum2")
-    metrics = finished(result, 5)
+    metrics = finished(result, 9)
     check_recipe(result, metrics, "8 sequences = 2 per rank x 2")
     difference = max_difference(weights(folder), weights(run("one")[1]))
-    assert difference <= TOLERANCE, f"TODO 5: 2 ranks x 2 micro-batches differ from one process by {difference:.1e}"
+    assert difference <= TOLERANCE, f"TODO 9: 2 ranks x 2 micro-batches differ from one process by {difference:.1e}"
     params = metrics["bytes_per_rank"]["params"]
     assert metrics["allreduce_bytes_per_step"] == params, (
-        f"TODO 5: {metrics['allreduce_bytes_per_step']:,.0f} bytes all-reduced per step for {params:,} bytes of "
+        f"TODO 9: {metrics['allreduce_bytes_per_step']:,.0f} bytes all-reduced per step for {params:,} bytes of "
         "gradients: the inner micro-steps must not communicate (model.no_sync())"
     )
 
 
 @pytest.mark.parametrize("name", ["builtin2", "scratch4"])
-def test_todo6_loss_is_averaged_across_ranks(run, name):
+def test_todo10_loss_is_averaged_across_ranks(run, name):
     """The first step's loss comes before any update: it depends only on the data and on the averaging."""
-    one, ranks = finished(run("one")[0], 6), finished(run(name)[0], 6)
+    one, ranks = finished(run("one")[0], 10), finished(run(name)[0], 10)
     assert ranks["losses"][0] == pytest.approx(one["losses"][0], rel=1e-6), (
-        f"TODO 6: the first logged loss {ranks['losses'][0]:.6f} should be the global batch's "
+        f"TODO 10: the first logged loss {ranks['losses'][0]:.6f} should be the global batch's "
         f"{one['losses'][0]:.6f}: all-reduce the loss with ReduceOp.AVG before logging it"
     )
-    # Later steps match too once the ranks' updates are averaged (TODO 3).
-    assert ranks["losses"] == pytest.approx(one["losses"], rel=1e-5), f"TODO 3: {ranks['losses']} != {one['losses']}"
+    # Later steps match too once the ranks' updates are averaged (TODO 7).
+    assert ranks["losses"] == pytest.approx(one["losses"], rel=1e-5), f"TODO 7: {ranks['losses']} != {one['losses']}"
 
 
-def test_todo7_checkpoint_saved_once_and_loads_into_a_plain_model(run):
-    result, folder = run("builtin4")
-    metrics = finished(result, 7)
-    assert result.output.count("saved the model") == 1, "TODO 7: save (and say so) from rank 0 only"
+def test_todo11_checkpoint_saved_once_and_loads_into_a_plain_model(run):
+    result, folder = run("builtin2")
+    metrics = finished(result, 11)
+    assert result.output.count("saved the model") == 1, "TODO 11: save (and say so) from rank 0 only"
     state = torch.load(folder / "model.pt", weights_only=True)
     model = build_model(ModelConfig(**state["config"]), seed=123)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as error:
-        raise AssertionError(f"TODO 7: save model.module's state dict, without the wrapper's prefix: {error}") from None
-    assert param_checksum(model) == pytest.approx(metrics["param_checksum"], rel=1e-12), "TODO 7"
+        raise AssertionError(f"TODO 11: save model.module's state dict, without the wrapper prefix: {error}") from None
+    assert param_checksum(model) == pytest.approx(metrics["param_checksum"], rel=1e-12), "TODO 11"
 
 
-@pytest.mark.parametrize("name", ["scratch2", "scratch4"])
-def test_bytes_on_the_wire_per_step(run, name):
-    """The hand-written DDP all-reduces each gradient once per step: parameters x 4 bytes (fp32)."""
-    metrics = finished(run(name)[0], 3)
+def test_bytes_on_the_wire_per_step(run):
+    """The hand-written DDP all-reduces each gradient once per step, all from hooks during backward."""
+    metrics = finished(run("scratch4")[0], 7)
     n = metrics["world_size"]
     params = count_parameters(ModelConfig(seq_len=32, dim=32, n_layers=1, n_heads=2))
     assert metrics["bytes_per_rank"]["params"] == 4 * params
     assert metrics["allreduce_bytes_per_step"] == 4 * params, (
-        f"TODO 3: --ddp scratch should all-reduce {4 * params:,} bytes per step (wrap the model in DataParallel), "
+        f"TODO 7: --ddp scratch should all-reduce {4 * params:,} bytes per step (wrap the model in DataParallel), "
         f"not {metrics['allreduce_bytes_per_step']}"
     )
     assert metrics["bus_bytes_per_step"] == pytest.approx(2 * (n - 1) / n * 4 * params)
+    assert metrics["buckets"] >= 2 and metrics["buckets_overlapped"] == metrics["buckets"], (
+        f"TODO 2: {metrics['buckets_overlapped']} of {metrics['buckets']} buckets launched during backward"
+    )
 
 
 def test_rank0_prints_once_and_finishes(run):
     result, _ = run("scratch4")
-    finished(result, 1)
+    finished(result, 5)
     lines = result.output.rstrip().splitlines()
     assert lines[-1].startswith("FINISHED"), lines[-1]
     assert sum(line.startswith("FINISHED") for line in lines) == 1, "print with print0: once, from rank 0"
     assert sum(line.startswith("step    4") for line in lines) == 1
 
 
-def test_untouched_exercise_is_lesson_00_on_one_process_and_names_todo1_on_two(tmp_path):
-    """The generated exercise (not your edited copy) runs as the single-device baseline, else stops at TODO 1."""
+def test_untouched_exercise_is_lesson_00_on_one_process_and_names_todo5_on_two(tmp_path):
+    """The generated exercise (not your edited copy) runs as the single-device baseline (with either --ddp),
+    else stops at once at TODO 5."""
     solution = ROOT / "solutions" / "02_data_parallel.py"
     exercise = tmp_path / "exercises" / solution.name
     exercise.parent.mkdir()
     exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
     env = course_env(PYTHONPATH=ROOT)  # the copy lives outside the course folder
     args = [*COMMON, "--batch-size", "8", "--log-dir", tmp_path / "runs"]
-    untouched = python(exercise, args, tmp_path=tmp_path, env=env).check()
-    baseline = python(ROOT / "solutions" / "00_setup_and_baseline.py", args, tmp_path=tmp_path).check()
+    untouched = python(exercise, [*args, "--ddp", "scratch"], tmp_path=tmp_path, env=env, timeout=300).check()
+    baseline = python(ROOT / "solutions" / "00_setup_and_baseline.py", args, tmp_path=tmp_path, timeout=300).check()
     assert untouched.metrics["losses"] == baseline.metrics["losses"], "the untouched exercise should be lesson 00"
-    two = torchrun(exercise, 2, args, timeout=90, env=env)
-    assert two.returncode != 0 and "ERROR: TODO 1: the global batch recipe is not done yet" in two.output, two.tail()
+    two = torchrun(exercise, 2, args, timeout=180, env=env)
+    assert two.returncode != 0 and "ERROR: TODO 5: the global batch recipe is not done yet" in two.output, two.tail()
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: a one-line message naming the cause, within seconds, never a hang
+# --------------------------------------------------------------------------------------------------
+
+BAD_OPTIONS = {  # arguments: what the message must name
+    "no micro-batches": (["--grad-accum", "0"], "--grad-accum"),
+    "empty buckets": (["--bucket-cap-mb", "0"], "--bucket-cap-mb"),
+    "negative buckets": (["--bucket-cap-mb", "-1"], "--bucket-cap-mb"),
+    "not a number": (["--bucket-cap-mb", "nan"], "--bucket-cap-mb"),
+    "unknown scaling": (["--lr-scaling", "cubic"], "--lr-scaling"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_OPTIONS)
+def test_bad_option_stops_at_once_naming_it(lesson, case):
+    args, option = BAD_OPTIONS[case]
+    result = python(lesson("02"), [*COMMON, *args], timeout=120)  # seconds on an idle machine; a busy one is slow
+    message = result.output.strip().splitlines()[-1]
+    assert result.returncode == 2 and option in message, result.tail()
+
+
+BAD_DATA = {  # (processes, arguments, message): some rank would get no batch (12,502 blocks of 33 tokens, 2 ranks)
+    "batch larger than a rank's share": (2, ["--batch-size", "7000"], "--batch-size 7000 is too large"),
+    "sequence longer than the corpus": (2, ["--seq-len", "500000", "--batch-size", "1"], "--seq-len"),
+    "accumulation beyond the share": (2, ["--batch-size", "100", "--grad-accum", "70"], "use --batch-size"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_no_batch_for_a_rank_stops_instead_of_hanging(lesson, case, tmp_path):
+    nproc, args, expected = BAD_DATA[case]
+    result = torchrun(lesson("02"), nproc, [*COMMON, *args, "--log-dir", tmp_path / "runs"], timeout=120)
+    errors = [line for line in result.output.splitlines() if "ERROR:" in line]
+    assert result.returncode != 0 and errors and expected in errors[0], result.tail()

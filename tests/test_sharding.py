@@ -9,6 +9,7 @@ iterable strategy always drops the last incomplete round.
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +134,15 @@ def test_dispatching_every_sample_once(world_size, tmp_path):
             orders.append(per_rank)
         if case["shuffle"] and n > world_size * b:
             assert orders[0] != orders[1], "set_epoch did not change the order"
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="PSS is measured from Linux's smaps_rollup")
+def test_memory_mapped_tokens_are_shared_between_ranks(tmp_path):
+    """2 ranks: a copy per process costs each rank the whole file; a memory map costs each about half of it."""
+    out = tmp_path / "memory.json"
+    torchrun(ROOT / "utils/sharding.py", 2, ["--memory", "--megabytes", 16, "--metrics-out", out], timeout=120).check()
+    copy, mapped = json.loads(out.read_text())["rows"]
+    assert copy["how"] == "a copy per process" and mapped["how"] == "memory-mapped"
+    assert min(copy["pss_mb"]) > 0.9 * 16, f"a private copy should cost the whole file: {copy}"
+    assert max(mapped["pss_mb"]) < 0.6 * 16 + 1, f"the mapped file's pages should be shared by the 2 ranks: {mapped}"
+    assert min(mapped["rss_mb"]) > 0.9 * 16, f"each rank touched every page: {mapped}"

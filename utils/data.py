@@ -11,7 +11,9 @@ Compute nodes have no internet. Download WikiText-2 once, on the login node:
     python -m utils.data prepare --dataset wikitext [--cache-dir DIR]
 
 It is saved with `save_to_disk` under DIR (default: $COURSE_DATA, else `data/` in the course folder): a
-few Arrow files that every rank memory-maps. Keep that folder on the project or scratch file system,
+few Arrow files. The first run encodes each split once into a token file beside them (one byte per token),
+which every rank then memory-maps: the ranks of a node share one copy of it in the page cache.
+Keep that folder on the project or scratch file system,
 not in your small home quota. Arrow files are a handful of large files, which a parallel file system
 serves well; millions of small files (one per sample) exhaust the inode quota and make every `open`
 a round trip to the metadata server.
@@ -21,6 +23,7 @@ import argparse
 import functools
 import os
 import random
+import socket
 import sys
 from pathlib import Path
 
@@ -181,7 +184,10 @@ class TokenBlocks(Dataset):
     def __init__(self, tokens: torch.Tensor, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
         if len(tokens) < seq_len + 1:
-            raise CourseError(f"the corpus has {len(tokens)} tokens: too few for one block of {seq_len + 1}")
+            raise CourseError(
+                f"the corpus has {len(tokens)} tokens: too few for one block of {seq_len + 1}; "
+                f"use --seq-len {max(len(tokens) - 1, 1)} or less"
+            )
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
@@ -193,17 +199,44 @@ class TokenBlocks(Dataset):
         return block[:-1], block[1:]
 
 
+def token_file(name: str, split: str, seed: int, cache_dir: Path) -> Path:
+    """Where the encoded split lives: one byte per token, beside the text it was encoded from."""
+    folder = cache_dir / f"synthetic-v1-seed{seed}" if name == "synthetic" else wikitext_path(cache_dir)
+    return folder / f"{split}.tokens.u8"
+
+
+def write_token_file(path: Path, data: bytes):
+    """Write `data` to `path` atomically: ranks (of any node) writing at once never read a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    partial.write_bytes(data)
+    partial.replace(path)
+
+
+def map_tokens(path: Path) -> torch.Tensor:
+    """The token file as a uint8 tensor backed by the file itself (mmap), not by a copy in this process.
+
+    The pages come from the operating system's page cache, which every process on the node shares: 8 ranks
+    reading the same file hold one copy of it in memory, not 8. The mapping is private (shared=False):
+    nothing this process does changes the file.
+    """
+    size = path.stat().st_size
+    return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+
+
 @functools.lru_cache(maxsize=8)
 def _tokens(name: str, split: str, seed: int, cache_dir: str) -> torch.Tensor:
-    data = load_text(name, split, seed, cache_dir).encode("utf-8")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # one byte per token, kept once per process
+    path = token_file(name, split, seed, Path(cache_dir))
+    if not path.exists():  # encode once; later runs (and the other ranks) map the file
+        write_token_file(path, load_text(name, split, seed, cache_dir).encode("utf-8"))
+    return map_tokens(path)
 
 
 def load_token_dataset(name: str, seq_len: int, split: str = "train", seed: int = 0, cache_dir=None) -> TokenBlocks:
     """The corpus `name` ("synthetic" or "wikitext") as blocks of seq_len + 1 tokens.
 
-    `seed` picks the generated corpus (WikiText ignores it). The tokens are cached in memory, so asking
-    again for the same corpus costs nothing.
+    `seed` picks the generated corpus (WikiText ignores it). The first call encodes the text into a token
+    file beside it (`token_file`); every call after that, in any process, memory-maps that file.
     """
     return TokenBlocks(_tokens(name, split, seed, str(Path(cache_dir or default_cache_dir()))), seq_len)
 

@@ -20,6 +20,9 @@ Uneven sizes: 1, 3 and 4 pad the last round by repeating samples from the start 
 (or drop it with drop_last=True); 2 cannot go back in a stream, so it drops the last incomplete round.
 
     torchrun --nproc_per_node=2 utils/sharding.py --benchmark    # memory and time per batch of each
+    torchrun --nproc_per_node=4 utils/sharding.py --memory       # memory per rank: a copy each, or memory-mapped
+    python utils/sharding.py --throughput                        # lesson 02's tokens/s at 1, 2, 4 ranks, 5 runs
+                                                                 # each -> notebooks/data/02_throughput.json
 """
 
 import argparse
@@ -27,14 +30,22 @@ import gc
 import json
 import math
 import os
+import platform
 import resource
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
+
+from utils.data import map_tokens, write_token_file
 
 
 def _rank_and_world(rank, world_size):
@@ -226,7 +237,7 @@ class DispatchLoader:
 
 
 # --------------------------------------------------------------------------------------------------
-# Benchmark: host memory per rank and time per batch of each strategy
+# Benchmarks: host memory per rank (PSS: shared pages count 1/k in each of k processes), time per batch
 # --------------------------------------------------------------------------------------------------
 
 
@@ -241,13 +252,33 @@ def rss_mb() -> float:
     return peak / 2**20 if os.uname().sysname == "Darwin" else peak / 1024
 
 
+def memory_mb() -> dict:
+    """This process's memory now, in MB: rss (every page it touches, shared ones included) and pss (its share:
+    a page that k processes map counts 1/k in each), from /proc/self/smaps_rollup (Linux; else pss = rss)."""
+    rollup = Path("/proc/self/smaps_rollup")
+    if not rollup.exists():
+        return {"rss": rss_mb(), "pss": rss_mb()}
+    fields = {}
+    for line in rollup.read_text().splitlines()[1:]:
+        key, value = line.split(":", 1)
+        fields[key] = int(value.split()[0]) / 1024
+    return {"rss": fields["Rss"], "pss": fields["Pss"]}
+
+
+def load_copy(path) -> torch.Tensor:
+    """The whole token file read into this process's memory: a private copy per process."""
+    tokens = torch.empty(Path(path).stat().st_size, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        f.readinto(tokens.numpy())  # straight into the tensor: one copy of the file in memory
+    return tokens
+
+
 class TokenFile(Dataset):
-    """A map-style dataset of (inputs, targets) blocks, the whole token file loaded in memory."""
+    """A map-style dataset of (inputs, targets) blocks of a token file, memory-mapped (utils.data.map_tokens):
+    the processes of a node share the file's pages in the page cache."""
 
     def __init__(self, path, seq_len):
-        self.tokens = torch.empty(Path(path).stat().st_size, dtype=torch.uint8)
-        with open(path, "rb") as f:
-            f.readinto(self.tokens.numpy())  # straight into the tensor: one copy of the file in memory
+        self.tokens = map_tokens(Path(path))
         self.seq_len = seq_len
 
     def __len__(self):
@@ -266,13 +297,58 @@ def token_stream(path, seq_len):
             yield block[:-1], block[1:]
 
 
+def random_tokens(megabytes: int) -> bytes:
+    return torch.randint(0, 256, (megabytes * 2**20,), dtype=torch.uint8, generator=torch.Generator()).numpy().tobytes()
+
+
+def memory_benchmark(megabytes: int) -> list[dict]:
+    """Memory per rank for the same token file, read into a copy per process or memory-mapped.
+
+    Every rank loads the file and touches every page; then, while all ranks hold it, each measures how much
+    its RSS (every page it touched, shared or not) and its PSS (its share) grew.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    folder = [tempfile.mkdtemp(prefix="memory-") if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    path = Path(folder[0]) / "tokens.u8"
+    if rank == 0:
+        write_token_file(path, random_tokens(megabytes))
+    rows = []
+    for how, load in [("a copy per process", load_copy), ("memory-mapped", map_tokens)]:
+        gc.collect()
+        dist.barrier()
+        before = memory_mb()
+        tokens = load(path)
+        int(tokens[::4096].sum())  # touch one byte of every page: the whole file is resident
+        dist.barrier()
+        after = memory_mb()
+        dist.barrier()
+        del tokens
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, {k: after[k] - before[k] for k in after})
+        rows.append(
+            {
+                "how": how,
+                "world_size": world_size,
+                "file_mb": megabytes,
+                "rss_mb": [r["rss"] for r in per_rank],
+                "pss_mb": [r["pss"] for r in per_rank],
+            }
+        )
+    dist.barrier()
+    if rank == 0:
+        path.unlink()
+        path.parent.rmdir()
+    return rows
+
+
 def benchmark(megabytes: int, batch_size: int, seq_len: int, batches: int) -> list[dict]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     folder = [tempfile.mkdtemp(prefix="sharding-") if rank == 0 else None]
     dist.broadcast_object_list(folder, src=0)
     path = Path(folder[0]) / "tokens.bin"
     if rank == 0:
-        path.write_bytes(torch.randint(0, 256, (megabytes * 2**20,), dtype=torch.uint8).numpy().tobytes())
+        write_token_file(path, random_tokens(megabytes))
     dist.barrier()
 
     def loader(strategy):
@@ -291,7 +367,7 @@ def benchmark(megabytes: int, batch_size: int, seq_len: int, batches: int) -> li
     for strategy in ["1 dataset sharding", "2 iterable sharding", "3 batch-sampler sharding", "4 dispatching"]:
         gc.collect()
         dist.barrier()
-        before = rss_mb()
+        before = memory_mb()["pss"]
         start = time.perf_counter()
         data = iter(loader(strategy))
         next(data)  # the first batch pays for loading the file and drawing the epoch's order
@@ -299,7 +375,9 @@ def benchmark(megabytes: int, batch_size: int, seq_len: int, batches: int) -> li
         for _ in range(batches):
             next(data)
         end = time.perf_counter()
-        held = rss_mb() - before
+        dist.barrier()  # every rank holds its data now: the shared pages are counted 1/N in each
+        held = memory_mb()["pss"] - before
+        dist.barrier()
         del data
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, (held, first - start, (end - first) / batches))
@@ -320,31 +398,107 @@ def benchmark(megabytes: int, batch_size: int, seq_len: int, batches: int) -> li
     return rows
 
 
+THROUGHPUT_FILE = Path(__file__).resolve().parents[1] / "notebooks" / "data" / "02_throughput.json"
+THROUGHPUT_ARGS = ["--dim", "64", "--n-layers", "2", "--n-heads", "4", "--seq-len", "64", "--batch-size", "8"]
+
+
+def cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def throughput_benchmark(world_sizes, runs: int, steps: int, out: Path) -> dict:
+    """Lesson 02's job throughput (tokens/s of all ranks together) at each world size, `runs` times each.
+
+    Weak scaling: every rank keeps its batch (--batch-size 8), so the global batch grows with the ranks. The
+    runs of different world sizes are interleaved, so a change in the machine's load hits all of them alike.
+    """
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "COURSE_NO_PROGRESS": "1"}
+    results = {str(n): [] for n in world_sizes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in range(runs):
+            for n in world_sizes:
+                metrics = Path(tmp) / f"metrics-{n}-{run}.json"
+                command = [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                    str(root / "solutions" / "02_data_parallel.py"), *THROUGHPUT_ARGS, "--steps", str(steps),
+                    "--optimizer", "sgd", "--log-dir", str(Path(tmp) / "runs"), "--metrics-out", str(metrics),
+                ]  # fmt: skip
+                subprocess.run(command, cwd=root, env=env, check=True, capture_output=True, timeout=600)
+                tokens_per_s = json.loads(metrics.read_text())["tokens_per_s"]
+                results[str(n)].append(tokens_per_s)
+                print(f"run {run + 1}/{runs}, {n} rank(s): {tokens_per_s:,.0f} tokens/s", flush=True)
+    record = {
+        "what": "lesson 02 job throughput (tokens/s, all ranks together), --ddp builtin, gloo on CPU",
+        "command": "torchrun --nproc_per_node=N solutions/02_data_parallel.py "
+        + " ".join(THROUGHPUT_ARGS + ["--steps", str(steps), "--optimizer", "sgd"]),
+        "machine": {
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "os": f"{platform.system()} {platform.release()}",
+            "note": "a shared machine: other jobs ran at the same time, hence the spread",
+        },
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "date": time.strftime("%Y-%m-%d"),
+        "world_sizes": list(world_sizes),
+        "runs": runs,
+        "steps": steps,
+        "tokens_per_s": results,
+        "median": {n: statistics.median(v) for n, v in results.items()},
+        "min": {n: min(v) for n, v in results.items()},
+        "max": {n: max(v) for n, v in results.items()},
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
 def main():
-    parser = argparse.ArgumentParser(description="Memory and time per batch of the four sharding strategies.")
-    parser.add_argument("--benchmark", action="store_true", help="run the benchmark (under torchrun)")
+    parser = argparse.ArgumentParser(description="Benchmarks of lesson 02: data sharding, memory, throughput.")
+    parser.add_argument("--benchmark", action="store_true", help="the four sharding strategies (under torchrun)")
+    parser.add_argument("--memory", action="store_true", help="memory per rank, copied or mapped (under torchrun)")
+    parser.add_argument("--throughput", action="store_true", help="lesson 02's tokens/s at 1, 2, 4 ranks (python)")
     parser.add_argument("--megabytes", type=int, default=64, help="size of the token file")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per batch")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batches", type=int, default=50, help="batches timed per strategy")
+    parser.add_argument("--runs", type=int, default=5, help="--throughput: runs per world size")
+    parser.add_argument("--steps", type=int, default=30, help="--throughput: steps per run")
     parser.add_argument("--metrics-out", type=Path, default=None, help="also write the table here (JSON)")
     args = parser.parse_args()
-    if not args.benchmark:
+    if args.throughput:
+        throughput_benchmark([1, 2, 4], args.runs, args.steps, args.metrics_out or THROUGHPUT_FILE)
+        return
+    if not (args.benchmark or args.memory):
         parser.print_help()
         return
     dist.init_process_group("gloo")
-    rows = benchmark(args.megabytes, args.batch_size, args.seq_len, args.batches)
-    if dist.get_rank() == 0:
-        print(f"world size {dist.get_world_size()}, {args.megabytes} MB of tokens, batch {args.batch_size} per rank")
-        print(f"{'strategy':<26} {'rank 0 MB':>10} {'others MB':>10} {'1st batch s':>12} {'ms/batch':>9}")
-        for row in rows:
-            print(
-                f"{row['strategy']:<26} {row['rank0_mb']:>10.1f} {row['other_ranks_mb']:>10.1f}"
-                f" {row['first_batch_s']:>12.2f} {row['ms_per_batch']:>9.2f}"
-            )
-        if args.metrics_out:
-            record = {"world_size": dist.get_world_size(), "megabytes": args.megabytes, "rows": rows}
-            args.metrics_out.write_text(json.dumps(record, indent=2) + "\n")
+    world_size = dist.get_world_size()
+    if args.memory:
+        rows = memory_benchmark(args.megabytes)
+        if dist.get_rank() == 0:
+            print(f"world size {world_size}, a {args.megabytes} MB token file, growth per rank (MB)")
+            print(f"{'how':<20} {'RSS max':>8} {'PSS max':>8}")
+            for row in rows:
+                print(f"{row['how']:<20} {max(row['rss_mb']):>8.1f} {max(row['pss_mb']):>8.1f}")
+    else:
+        rows = benchmark(args.megabytes, args.batch_size, args.seq_len, args.batches)
+        if dist.get_rank() == 0:
+            print(f"world size {world_size}, {args.megabytes} MB of tokens, batch {args.batch_size} per rank")
+            print(f"{'strategy':<26} {'rank 0 MB':>10} {'others MB':>10} {'1st batch s':>12} {'ms/batch':>9}")
+            for row in rows:
+                print(
+                    f"{row['strategy']:<26} {row['rank0_mb']:>10.1f} {row['other_ranks_mb']:>10.1f}"
+                    f" {row['first_batch_s']:>12.2f} {row['ms_per_batch']:>9.2f}"
+                )
+    if args.metrics_out and dist.get_rank() == 0:
+        record = {"world_size": world_size, "megabytes": args.megabytes, "rows": rows}
+        args.metrics_out.write_text(json.dumps(record, indent=2) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 
