@@ -71,7 +71,7 @@ def lesson_jobs(cluster, workdir, target, request):
     selected = {
         item.callspec.params["sbatch_file"]
         for item in request.session.items
-        if item.originalname == "test_sbatch_file_runs_on_slurm" and hasattr(item, "callspec")
+        if getattr(item, "originalname", None) == "test_sbatch_file_runs_on_slurm" and hasattr(item, "callspec")
     }
     jobs = {}
     for sbatch_file in [f for f in SBATCH_FILES if f in selected]:
@@ -233,7 +233,7 @@ def test_missing_output_file_is_reported(cluster, workdir):
 def test_jupyterlab_on_a_compute_node_prints_the_tunnel_and_serves(cluster, workdir):
     """slurm/jupyterlab.sh (for sites without a Jupyter service): the job prints the ssh tunnel command,
     then JupyterLab's address with its token; the test cancels the job once both are there."""
-    job = submit(ROOT / "slurm" / "jupyterlab.sh", options=["--time=00:03:00"], cwd=workdir)
+    job = submit(ROOT / "slurm" / "jupyterlab.sh", options=["--time=00:03:00"])  # from the course root, as a learner
     try:
         deadline, output = time.monotonic() + 120, ""
         while time.monotonic() < deadline and "/lab?token=" not in output:
@@ -245,3 +245,4 @@ def test_jupyterlab_on_a_compute_node_prints_the_tunnel_and_serves(cluster, work
         assert "/lab?token=" in output, f"JupyterLab did not print its address within 120 s. {story}"
     finally:
         cancel(job)
+        keep_output(job, workdir)
