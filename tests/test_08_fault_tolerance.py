@@ -351,9 +351,11 @@ def test_slurm_requeue_on_preemption_signal_resumes_and_completes(target):
         signalled = slurm("scancel", "--signal=USR1", "--batch", job.job_id)
         assert signalled.returncode == 0, signalled.stderr
         deadline = time.monotonic() + 180
+        requeued = False  # seen pending again after the requeue
         while True:  # requeued: pending again, held until its BeginTime (about 2 minutes): let it start now
             record = job_record(job.job_id) or {}
-            if record.get("Restarts", "0") != "0" and record.get("JobState") != "PENDING":
+            requeued = requeued or (record.get("Restarts", "0") != "0" and record.get("JobState") == "PENDING")
+            if requeued and record.get("JobState") != "PENDING":
                 break  # running again (or already done: wait() below tells)
             if record.get("Restarts", "0") != "0" and record.get("Reason") == "BeginTime":
                 # Slurm holds a requeued job so that its previous run is torn down first; starting it while a
