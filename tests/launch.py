@@ -6,6 +6,7 @@ hanging the suite. The script's metrics JSON (--metrics-out) comes back as a dic
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -36,6 +37,15 @@ class Run:
             f"`{' '.join(map(str, self.command))}` exited {self.returncode}. Its last lines:\n{self.tail()}"
         )
         return self
+
+
+def finished(result: Run, todo: int) -> dict:
+    """The run's metrics, or a failure naming the TODO the run stopped at (else `todo`): what a learner's
+    `make check` line shows when a lesson run fails."""
+    stopped = re.search(r"TODO (\d+):", result.output)
+    name = f"TODO {stopped.group(1)}" if stopped else f"checking TODO {todo}"
+    assert result.returncode == 0, f"{name}: the run failed. Its last lines:\n{result.tail()}"
+    return result.metrics
 
 
 def course_env(**extra) -> dict:

@@ -11,12 +11,11 @@ with the global batch: 8 sequences per step.
 """
 
 import json
-import re
 
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, python, torchrun
+from tests.launch import ROOT, course_env, finished, python, torchrun
 from utils.make_exercises import make_exercise
 from utils.metrics import param_checksum
 from utils.model import ModelConfig, build_model, count_parameters
@@ -155,14 +154,6 @@ def run(lesson, tmp_path_factory):
         return done[name]
 
     return launch
-
-
-def finished(result, todo: int) -> dict:
-    """The run's metrics, or a failure naming the TODO the run stopped at (else `todo`)."""
-    stopped = re.search(r"TODO (\d+):", result.output)
-    name = f"TODO {stopped.group(1)}" if stopped else f"checking TODO {todo}"
-    assert result.returncode == 0, f"{name}: the run failed. Its last lines:\n{result.tail()}"
-    return result.metrics
 
 
 def weights(folder) -> dict:

@@ -10,12 +10,11 @@ the layers' rows divide by 4: padding shows in the bytes at 4 ranks. Every run h
 
 import json
 import math
-import re
 
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, python, torchrun
+from tests.launch import ROOT, course_env, finished, python, torchrun
 from utils.make_exercises import make_exercise
 from utils.memory import model_state_bytes, padded_numel
 from utils.metrics import param_checksum
@@ -75,14 +74,6 @@ def run(lesson, tmp_path_factory):
         return done[name]
 
     return launch
-
-
-def finished(result, todo: int) -> dict:
-    """The run's metrics, or a failure naming the TODO the run stopped at (else `todo`)."""
-    stopped = re.search(r"TODO (\d+):", result.output)
-    name = f"TODO {stopped.group(1)}" if stopped else f"checking TODO {todo}"
-    assert result.returncode == 0, f"{name}: the run failed. Its last lines:\n{result.tail()}"
-    return result.metrics
 
 
 def strategy(result, name: str) -> dict:

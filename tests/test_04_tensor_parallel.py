@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, python, torchrun
+from tests.launch import ROOT, course_env, finished, python, torchrun
 from utils.distributed_utils import CourseError
 from utils.make_exercises import make_exercise
 from utils.model import ModelConfig
@@ -59,14 +59,6 @@ def units(lesson, tmp_path_factory):
     result = torchrun(WORKER, 2, [lesson("04"), out], timeout=120)
     assert result.returncode == 0 and out.exists(), f"the layer checks did not finish:\n{result.tail()}"
     return json.loads(out.read_text())
-
-
-def finished(result, todo: int) -> dict:
-    """The run's metrics, or a failure naming the TODO the run stopped at (else `todo`)."""
-    stopped = re.search(r"TODO (\d+):", result.output)
-    name = f"TODO {stopped.group(1)}" if stopped else f"checking TODO {todo}"
-    assert result.returncode == 0, f"{name}: the run failed. Its last lines:\n{result.tail()}"
-    return result.metrics
 
 
 def max_difference(folder, reference) -> tuple[float, str]:

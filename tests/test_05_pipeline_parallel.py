@@ -16,7 +16,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, python, torchrun
+from tests.launch import ROOT, course_env, finished, python, torchrun
 from utils.distributed_utils import CourseError
 from utils.make_exercises import make_exercise
 
@@ -66,14 +66,6 @@ def run(lesson, tmp_path_factory):
         return done[name]
 
     return launch
-
-
-def finished(result, todo: int) -> dict:
-    """The run's metrics, or a failure naming the TODO the run stopped at (else `todo`)."""
-    stopped = re.search(r"TODO (\d+):", result.output)
-    name = f"TODO {stopped.group(1)}" if stopped else f"checking TODO {todo}"
-    assert result.returncode == 0, f"{name}: the run failed. Its last lines:\n{result.tail()}"
-    return result.metrics
 
 
 def call(todo: int, function, *args):
