@@ -9,11 +9,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `import utils` and `from tests.launch import ...` from any directory
 
 
+def target_folder(config) -> Path:
+    """Where the lesson scripts under test live: solutions/, exercises/, or --target-dir (a mutant's copy)."""
+    folder = config.getoption("--target-dir", default=None)
+    return Path(folder).resolve() if folder else ROOT / config.getoption("--target", default="solutions")
+
+
 def pytest_configure(config):
-    if config.getoption("--target", default="solutions") == "exercises":
+    if config.getoption("--target", default="solutions") == "exercises" or config.getoption("--target-dir"):
         from tests.todo_report import TodoReport
 
-        config.pluginmanager.register(TodoReport(), "todo-report")  # one line per TODO at the end
+        config.pluginmanager.register(TodoReport(target_folder(config)), "todo-report")  # one line per TODO at the end
 
 
 def pytest_addoption(parser):
@@ -23,6 +29,11 @@ def pytest_addoption(parser):
         default="solutions",
         help="test the reference solutions (default) or the exercises a learner completed",
     )
+    parser.addoption(
+        "--target-dir",
+        default=None,
+        help="test the lesson scripts in this folder instead (`make mutants` puts a mutated solution there)",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -31,12 +42,13 @@ def target(request) -> str:
 
 
 @pytest.fixture(scope="session")
-def lesson(target):
+def lesson(request):
     """lesson("01") -> the path of solutions/01_*.py (or exercises/01_*.py with --target exercises)."""
+    folder = target_folder(request.config)
 
     def find(number: str) -> Path:
-        matches = sorted((ROOT / target).glob(f"{number}_*.py"))
-        assert matches, f"no {target}/{number}_*.py"
+        matches = sorted(folder.glob(f"{number}_*.py"))
+        assert matches, f"no {folder}/{number}_*.py"
         return matches[0]
 
     return find

@@ -1,118 +1,244 @@
 """`make test-gpu`: every lesson's solution with NCCL on this node's GPUs, checked against the same run on CPU.
 
-For instructors with a GPU node (world size = the number of visible GPUs, at least 1). For each lesson:
+For instructors with a GPU node (world size = the number of visible GPUs, at least 1). For each lesson and
+each of its strategies, methods, schedules and implementations (CHECKS below):
 - the run completes and writes its metrics file;
 - every collective the course's code called got tensors on the rank's CUDA device (COURSE_CHECK_DEVICE=1
   makes each one check, and each rank reports how many it checked);
-- its losses match the CPU/gloo run of the same configuration within LOSS_RTOL (fp32 and SGD, with TF32
-  off: a GPU and a CPU sum in different orders, so they agree to rounding, not to the bit).
-With --figures it also measures tokens/s of lesson 00's baseline and of the GPU_EXAMPLE configuration
-(bf16 autocast) on one GPU, with the model FLOPs utilisation, and writes them to notebooks/data/gpu_figures.json.
+- its losses match the CPU/gloo run of the same configuration within the check's tolerance (fp32 and SGD,
+  with TF32 off: a GPU and a CPU sum in different orders, so they agree to rounding, not to the bit);
+- lesson 08: a rank SIGKILLed mid-run under `torchrun --max-restarts 1` resumes to the bit-identical
+  losses and parameters of the uninterrupted GPU run.
+On a node with one GPU every check runs at world size 1 (NCCL refuses two ranks on one GPU: the first
+line printed says what this node allows), so it proves devices, dtypes and NCCL calls, not multi-rank
+parity; the CPU test suite proves that.
 
-    python -m tests.gpu_check [--figures] [--lessons 00 02]
+With --figures it also measures, on one GPU, tokens/s and model FLOPs utilisation of lesson 00's model
+sizes with bf16 autocast, and the peak CUDA memory of each lesson 03 strategy beside the model-state
+estimate, and writes them with the machine, driver, versions, load and command to
+notebooks/data/gpu_figures.json.
+
+    python -m tests.gpu_check [--figures] [--lessons 00 02] [--quick]
 Without a GPU it stops at once with one line saying so: it never passes silently.
 """
 
 import argparse
+import datetime
 import json
+import os
 import platform
 import re
+import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from tests.launch import ROOT, course_env, torchrun
-from utils.model import GPU_EXAMPLE, TINY, flops_per_token
+from tests.launch import ROOT, Run, _run, course_env, torchrun
+from utils.model import GPU_EXAMPLE, TINY, ModelConfig, flops_per_token
 
-LOSS_RTOL = 1e-4  # relative difference of each logged loss, GPU vs CPU, after a few fp32 SGD steps
+FP32_RTOL = 1e-4  # relative difference of each logged loss, GPU vs CPU, after a few fp32 SGD steps
+LOW_PRECISION_RTOL = 2e-2  # bf16/fp16 compute or compression: the two devices round differently
 SMALL = ["--steps", "5", "--optimizer", "sgd", "--log-every", "1"]
-RUNS = {  # lesson: (processes: "gpus" or a number, arguments)
-    "00": (1, SMALL),  # the single-device baseline
-    "01": ("gpus", ["--sizes", "4K,64K", "--steps", "2"]),
-    "02": ("gpus", SMALL),
-    "03": ("gpus", SMALL),
-    "04": ("gpus", SMALL),
-    "05": ("gpus", SMALL),
-    "07": ("gpus", SMALL),
-    "08": ("gpus", SMALL),
-}
-# Peak dense bf16 FLOP/s from the vendors' data sheets, by a substring of torch.cuda.get_device_name().
+
+
+@dataclass
+class Check:
+    lesson: str
+    label: str
+    args: list = field(default_factory=list)
+    rtol: float = FP32_RTOL
+    logs: bool = True  # the script takes --log-dir (every training script; lesson 01 has no logs)
+
+
+CHECKS = [
+    Check("00", "baseline", SMALL),
+    Check("00", "bf16 autocast", [*SMALL, "--autocast", "bf16"], LOW_PRECISION_RTOL),
+    Check("01", "collectives and ring", ["--sizes", "4K,64K", "--steps", "2"], logs=False),
+    Check("02", "DDP built-in", [*SMALL, "--ddp", "builtin"]),
+    Check("02", "DDP from scratch, 2 micro-batches", [*SMALL, "--ddp", "scratch", "--grad-accum", "2"]),
+    *(Check("03", strategy, [*SMALL, "--strategy", strategy, "--momentum", "0.9"])
+      for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")),
+    Check("03", "fsdp bf16", [*SMALL, "--strategy", "fsdp", "--precision", "bf16"], LOW_PRECISION_RTOL),
+    Check("04", "TP from scratch", [*SMALL, "--tp-impl", "scratch"]),
+    Check("04", "TP from scratch + SP", [*SMALL, "--tp-impl", "scratch", "--sequence-parallel"]),
+    Check("04", "DTensor TP + SP", [*SMALL, "--tp-impl", "dtensor", "--sequence-parallel"]),
+    *(Check("05", f"{impl} {schedule}", [*SMALL, "--pp-impl", impl, "--schedule", schedule])
+      for impl, schedule in (("scratch", "gpipe"), ("scratch", "1f1b"), ("builtin", "gpipe"),
+                             ("builtin", "1f1b"), ("builtin", "interleaved"))),
+    *(Check("07", method, [*SMALL, "--method", method], LOW_PRECISION_RTOL if method in ("fp16", "bf16") else FP32_RTOL)
+      for method in ("none", "fp16", "bf16", "topk", "powersgd", "localsgd", "postlocal")),
+    *(Check("07", f"quantize {bits} bits", [*SMALL, "--method", "quantize", "--bits", str(bits)], LOW_PRECISION_RTOL)
+      for bits in (2, 4, 8, 16, 32)),
+    Check("08", "checkpoints", [*SMALL, "--checkpoint-every", "2"]),
+    Check("08", "async checkpoints", [*SMALL, "--checkpoint-every", "2", "--async-save"]),
+]  # fmt: skip
+QUICK = {"baseline", "collectives and ring", "DDP built-in", "fsdp", "DTensor TP + SP", "scratch 1f1b", "none",
+         "checkpoints"}  # fmt: skip
+
+# Peak dense bf16 FLOP/s from the vendors' data sheets (without sparsity), by a substring of the device name.
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+FIGURE_MODELS = {  # lesson 00's model sizes, on one GPU with bf16 autocast
+    "TINY": (TINY, ["--batch-size", "64"]),
+    "GPU_EXAMPLE": (GPU_EXAMPLE, ["--batch-size", "16"]),
+    "GPU_EXAMPLE x2 wide": (ModelConfig(seq_len=1024, dim=1024, n_heads=16, n_layers=8), ["--batch-size", "16"]),
+}
 
 
 def lesson_script(number: str) -> Path | None:
     return next(iter(sorted((ROOT / "solutions").glob(f"{number}_*.py"))), None)
 
 
-def check_lesson(number: str, gpus: int, tmp: Path) -> list[str]:
-    """Problems found for one lesson (empty: it passed)."""
-    script = lesson_script(number)
-    if script is None:
-        return [f"no solutions/{number}_*.py"]
-    nproc, args = RUNS[number]
-    nproc = gpus if nproc == "gpus" else nproc
-    env_gpu = course_env(COURSE_CHECK_DEVICE=1, NVIDIA_TF32_OVERRIDE=0, COURSE_TIMEOUT_S=120)
-    args = [*args, "--log-dir", tmp / number / "runs"]
-    gpu = torchrun(script, nproc, args, tmp_path=tmp / number / "gpu", env=env_gpu, timeout=600)
+def model_args(config: ModelConfig) -> list[str]:
+    sizes = {"--dim": config.dim, "--n-layers": config.n_layers, "--n-heads": config.n_heads, "--seq-len": config.seq_len}
+    return [str(item) for pair in sizes.items() for item in pair]
+
+
+def launch(check: Check, nproc: int, folder: Path, env: dict) -> Run:
+    args = [*check.args, *(["--log-dir", folder / "runs"] if check.logs else [])]
+    if check.lesson == "08":
+        args += ["--checkpoint-dir", folder / "checkpoints"]
+    return torchrun(lesson_script(check.lesson), nproc, args, tmp_path=folder, env=env, timeout=600)
+
+
+def gpu_env(**extra) -> dict:
+    # CUBLAS_WORKSPACE_CONFIG: cuBLAS's deterministic mode, needed where a script asks for deterministic algorithms.
+    return course_env(COURSE_CHECK_DEVICE=1, NVIDIA_TF32_OVERRIDE=0, COURSE_TIMEOUT_S=120,
+                      CUBLAS_WORKSPACE_CONFIG=":4096:8", **extra)  # fmt: skip
+
+
+def check_one(check: Check, gpus: int, tmp: Path) -> list[str]:
+    """Problems found for one configuration (empty: it passed)."""
+    if lesson_script(check.lesson) is None:
+        return [f"no solutions/{check.lesson}_*.py"]
+    folder = tmp / check.lesson / re.sub(r"\W+", "_", check.label)
+    gpu = launch(check, gpus, folder / "gpu", gpu_env())
     if gpu.returncode != 0 or gpu.metrics is None:
-        return [f"the GPU run failed (exit {gpu.returncode}):\n{gpu.tail(20)}"]
+        return [f"the GPU run failed (exit {gpu.returncode}):\n{gpu.tail(25)}"]
     problems = []
     checked = re.findall(r"\[rank (\d+)\] device check: (\d+) collective calls", gpu.output)
-    if len(checked) != nproc:
-        problems.append(f"{len(checked)} of {nproc} ranks reported their collectives' device check")
-    cpu = torchrun(script, nproc, args, tmp_path=tmp / number / "cpu", env=course_env(CUDA_VISIBLE_DEVICES=""))
+    if len(checked) != gpus:
+        problems.append(f"{len(checked)} of {gpus} ranks reported their collectives' device check")
+    cpu = launch(check, gpus, folder / "cpu", course_env(CUDA_VISIBLE_DEVICES=""))
     if cpu.returncode != 0 or cpu.metrics is None:
-        return problems + [f"the CPU run failed (exit {cpu.returncode}):\n{cpu.tail(20)}"]
+        return problems + [f"the CPU run failed (exit {cpu.returncode}):\n{cpu.tail(25)}"]
     gpu_losses, cpu_losses = gpu.metrics.get("losses"), cpu.metrics.get("losses")
-    if gpu_losses is not None:
-        worst = max(abs(g - c) / max(abs(c), 1e-12) for g, c in zip(gpu_losses, cpu_losses))
-        if len(gpu_losses) != len(cpu_losses) or worst > LOSS_RTOL:
-            problems.append(f"losses differ from the CPU run by up to {worst:.1e} (allowed {LOSS_RTOL:.0e})")
+    if (gpu_losses is None) != (cpu_losses is None):
+        problems.append("only one of the two runs recorded its losses")
+    elif gpu_losses is not None:
+        worst = max((abs(g - c) / max(abs(c), 1e-12) for g, c in zip(gpu_losses, cpu_losses)), default=0.0)
+        if len(gpu_losses) != len(cpu_losses) or not gpu_losses or worst > check.rtol:
+            problems.append(
+                f"losses differ from the CPU run by up to {worst:.1e} (allowed {check.rtol:.0e}): "
+                f"GPU {gpu_losses} vs CPU {cpu_losses}"
+            )
     return problems
 
 
-def measure_figures(tmp: Path) -> dict:
-    """tokens/s and MFU of lesson 00 on one GPU: the tiny model, and GPU_EXAMPLE with bf16 autocast."""
-    name = torch.cuda.get_device_name(0)
-    peak = next((flops for key, flops in PEAK_BF16.items() if key in name), None)
-    configs = {
-        "TINY fp32": (TINY, ["--steps", "100"]),
-        "GPU_EXAMPLE bf16 autocast": (
-            GPU_EXAMPLE,
-            ["--steps", "50", "--batch-size", "16", "--autocast", "bf16", "--dim", "512", "--n-layers", "8",
-             "--n-heads", "8", "--seq-len", "1024"],
-        ),
-    }  # fmt: skip
-    rows = []
-    for label, (config, args) in configs.items():
-        run = torchrun(lesson_script("00"), 1, [*args, "--log-dir", tmp / "figures"], tmp_path=tmp / "figures")
-        run.check()
-        tokens_per_s = run.metrics["tokens_per_s"]
-        achieved = tokens_per_s * flops_per_token(config)
-        rows.append(
-            {
-                "configuration": label,
-                "tokens_per_s": tokens_per_s,
-                "flops_per_token": flops_per_token(config),
-                "achieved_tflops": achieved / 1e12,
-                "mfu_vs_bf16_peak": achieved / peak if peak else None,
-            }
-        )
+def check_resume_after_kill(gpus: int, tmp: Path) -> list[str]:
+    """Lesson 08 on CUDA: rank 0 SIGKILLed after step 5, torchrun restarts, the run ends bit-identical."""
+    script, common = lesson_script("08"), [*SMALL[2:], "--steps", "8", "--checkpoint-every", "2"]
+    runs = {}
+    for name, extra, restarts in (("reference", [], 0), ("killed", ["--crash-at-step", "5", "--crash-rank", "0"], 1)):
+        folder = tmp / "08" / f"resume_{name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        metrics = folder / "metrics.json"
+        metrics.unlink(missing_ok=True)
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+            f"--max-restarts={restarts}", str(script), *map(str, common + extra),
+            "--checkpoint-dir", str(folder / "checkpoints"), "--log-dir", str(folder / "runs"),
+            "--metrics-out", str(metrics),
+        ]  # fmt: skip
+        runs[name] = _run(command, 600, gpu_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, COURSE_NO_PROGRESS=1), metrics)
+        if runs[name].returncode != 0 or runs[name].metrics is None:
+            return [f"the {name} GPU run failed (exit {runs[name].returncode}):\n{runs[name].tail(25)}"]
+    reference, killed = runs["reference"].metrics, runs["killed"].metrics
+    if "killed with SIGKILL at step 5" not in runs["killed"].output:
+        return ["the crash did not happen"]
+    if killed["losses"] != reference["losses"] or killed["param_checksum"] != reference["param_checksum"]:
+        return [f"the resumed run is not bit-identical: {killed['losses']} vs {reference['losses']}"]
+    return []
+
+
+def can_share_a_gpu(tmp: Path) -> str:
+    """One line: what happens when two ranks are started on a node with one GPU (what lesson 01's live ranks,
+    and every multi-rank lesson, would do there)."""
+    run = torchrun(lesson_script("01"), 2, ["--skip-benchmark"], env=gpu_env(), timeout=180)
+    refusal = re.search(r"ERROR: (.*)", run.output)
+    if run.returncode == 0:
+        return "two ranks on one GPU ran lesson 01's collectives with NCCL"
+    return f"two ranks on one GPU: refused (exit {run.returncode}): " + (refusal.group(1) if refusal else run.tail(3))
+
+
+def machine() -> dict:
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+        capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
     return {
-        "gpu": name,
-        "peak_bf16_flops": peak,
+        "gpu": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "nvidia_smi": smi,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         "python": platform.python_version(),
-        "rows": rows,
+        "cpu_cores": os.cpu_count(),
+        "date": datetime.date.today().isoformat(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }
+
+
+def measure_figures(tmp: Path) -> dict:
+    """tokens/s and MFU of lesson 00's model sizes (bf16 autocast), and lesson 03's peak memory by strategy."""
+    name = torch.cuda.get_device_name(0)
+    peak = next((flops for key, flops in PEAK_BF16.items() if key in name), None)
+    throughput = []
+    for label, (config, extra) in FIGURE_MODELS.items():
+        args = ["--steps", "60", "--autocast", "bf16", *model_args(config), *extra, "--log-dir", tmp / "figures"]
+        runs = [torchrun(lesson_script("00"), 1, args, tmp_path=tmp / "figures", timeout=600).check() for _ in range(3)]
+        rates = sorted(run.metrics["tokens_per_s"] for run in runs)
+        achieved = rates[1] * flops_per_token(config)
+        throughput.append({
+            "model": label, "dim": config.dim, "n_layers": config.n_layers, "n_heads": config.n_heads,
+            "seq_len": config.seq_len, "batch_size": int(extra[1]),
+            "tokens_per_s_median_of_3": rates[1], "tokens_per_s_min_max": [rates[0], rates[-1]],
+            "flops_per_token": flops_per_token(config), "achieved_tflops": achieved / 1e12,
+            "mfu_vs_bf16_peak": achieved / peak if peak else None,
+        })  # fmt: skip
+    memory = []
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
+        args = ["--steps", "3", "--strategy", strategy, "--optimizer", "adamw", *model_args(GPU_EXAMPLE),
+                "--batch-size", "8", "--log-dir", tmp / "figures"]  # fmt: skip
+        run = torchrun(lesson_script("03"), 1, args, tmp_path=tmp / "figures" / strategy, timeout=600)
+        metrics = run.check().metrics
+        memory.append({
+            "strategy": strategy,
+            "estimated_model_state_bytes": sum(metrics["estimated_bytes_per_rank"].values()),
+            "held_model_state_bytes": sum(metrics["bytes_per_rank"].values()),
+            "activation_bytes": metrics["activation_bytes"],
+            "peak_cuda_allocated_bytes": metrics["peak_memory_bytes"],
+        })  # fmt: skip
+    return {
+        "about": "Measured by `python -m tests.gpu_check --figures` on one GPU. Throughput: lesson 00's script, "
+        "bf16 autocast, 60 steps, median of 3 runs. Memory: lesson 03's script at world size 1 (AdamW, fp32 "
+        "state), where every strategy holds the whole model: the peak shows the model state plus activations "
+        "and temporaries on one device, not the sharding, which needs several GPUs.",
+        "command": "python -m tests.gpu_check --figures",
+        "machine": machine(),
+        "peak_bf16_flops": peak,
+        "throughput": throughput,
+        "memory_world_size_1": memory,
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lessons", nargs="*", default=sorted(RUNS), help="lesson numbers (default: all)")
-    parser.add_argument("--figures", action="store_true", help="also measure tokens/s and MFU on one GPU")
+    parser.add_argument("--lessons", nargs="*", default=None, help="lesson numbers (default: all)")
+    parser.add_argument("--quick", action="store_true", help="one configuration per lesson")
+    parser.add_argument("--figures", action="store_true", help="also measure tokens/s, MFU and memory on one GPU")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check", help="where runs write")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -120,18 +246,31 @@ def main() -> int:
         return 2
     gpus = torch.cuda.device_count()
     print(f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    failed = 0
-    for number in args.lessons:
-        problems = check_lesson(number, gpus, args.out)
-        failed += bool(problems)
-        print(f"lesson {number}: " + ("ok" if not problems else "FAILED\n  " + "\n  ".join(problems)), flush=True)
+    if gpus == 1:
+        print(can_share_a_gpu(args.out), flush=True)
+    checks = [c for c in CHECKS if (args.lessons is None or c.lesson in args.lessons) and
+              (not args.quick or c.label in QUICK)]  # fmt: skip
+    failed = []
+    for check in checks:
+        problems = check_one(check, gpus, args.out)
+        if problems:
+            failed.append(check)
+        name = f"lesson {check.lesson} {check.label}"
+        print(f"{name}: " + ("ok" if not problems else "FAILED\n  " + "\n  ".join(problems)), flush=True)
+    total = len(checks)
+    if args.lessons is None or "08" in args.lessons:
+        problems = check_resume_after_kill(gpus, args.out)
+        total += 1
+        failed += [None] if problems else []
+        verdict = "bit-identical" if not problems else "FAILED\n  " + "\n  ".join(problems)
+        print(f"lesson 08 killed and resumed: {verdict}")
     if args.figures:
         figures = measure_figures(args.out)
         path = ROOT / "notebooks" / "data" / "gpu_figures.json"
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(figures, indent=2) + "\n")
         print(json.dumps(figures, indent=2))
-    print(f"{len(args.lessons) - failed} of {len(args.lessons)} lessons passed on the GPU")
+    print(f"{total - len(failed)} of {total} GPU checks passed")
     return 1 if failed else 0
 
 

@@ -58,7 +58,8 @@ def one_line(report) -> str:
 class TodoReport:
     """A pytest plugin: collect each test's outcome by lesson and TODO; print the learner's summary."""
 
-    def __init__(self):
+    def __init__(self, folder: Path | None = None):
+        self.folder = folder or ROOT / "exercises"  # where the learner's scripts are
         self.outcomes = defaultdict(lambda: defaultdict(list))  # lesson -> todo (or None) -> [(name, report)]
 
     def pytest_runtest_logreport(self, report):
@@ -74,11 +75,11 @@ class TodoReport:
         write = terminalreporter.write_line
         for lesson, by_todo in sorted(self.outcomes.items()):
             solution = next((ROOT / "solutions").glob(f"{lesson}_*.py"))
-            exercise = ROOT / "exercises" / solution.name
+            exercise = self.folder / solution.name
             generated, todos = make_exercise(solution.read_text(), solution.name)
             pristine, mine = sections(generated), sections(exercise.read_text()) if exercise.exists() else {}
             write("")
-            write(f"Lesson {lesson}: exercises/{exercise.name}")
+            write(f"Lesson {lesson}: {exercise.relative_to(ROOT) if exercise.is_relative_to(ROOT) else exercise}")
             done = 0
             width = max(len(t.title) for t in todos) + 3
             for todo in todos:
