@@ -91,8 +91,8 @@ def lesson_script(number: str) -> Path | None:
 
 
 def model_args(config: ModelConfig) -> list[str]:
-    sizes = {"--dim": config.dim, "--n-layers": config.n_layers, "--n-heads": config.n_heads, "--seq-len": config.seq_len}
-    return [str(item) for pair in sizes.items() for item in pair]
+    sizes = [("--dim", config.dim), ("--n-layers", config.n_layers), ("--n-heads", config.n_heads)]
+    return [str(item) for pair in [*sizes, ("--seq-len", config.seq_len)] for item in pair]
 
 
 def launch(check: Check, nproc: int, folder: Path, env: dict) -> Run:
