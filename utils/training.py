@@ -55,10 +55,19 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def base_parser(description: str) -> CourseArgumentParser:
-    """The command line every training script accepts; a lesson adds its own options, then calls parse_args."""
+def base_parser(description: str, without: tuple[str, ...] = ()) -> CourseArgumentParser:
+    """The command line every training script accepts; a lesson adds its own options, then calls parse_args.
+
+    `without` names shared options this script does not honour (e.g. ("--autocast",)): they are left out, so
+    passing one is refused with argparse's one line instead of being accepted and ignored.
+    """
     script = Path(sys.argv[0]).stem
     parser = CourseArgumentParser(description=description)
+    unknown = set(without) - set(SHARED_OPTIONS)
+    if unknown:
+        raise ValueError(f"base_parser(without=...): no shared option {sorted(unknown)}")
+    add = parser.add_argument
+    parser.add_argument = lambda name, *a, **k: None if name in without else add(name, *a, **k)
     parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step on each rank")
@@ -82,7 +91,14 @@ def base_parser(description: str) -> CourseArgumentParser:
     parser.add_argument(
         "--autocast", choices=["off", "bf16"], default="off", help="bf16 mixed precision for forward (GPU runs)"
     )
+    parser.add_argument = add
     return parser
+
+
+SHARED_OPTIONS = (
+    "--steps", "--seed", "--batch-size", "--optimizer", "--lr", "--dataset", "--data-dir", "--seq-len", "--dim",
+    "--n-layers", "--n-heads", "--metrics-out", "--log-dir", "--log-every", "--wandb", "--checkpoint", "--autocast",
+)  # fmt: skip
 
 
 def autocast(args, device: torch.device):
