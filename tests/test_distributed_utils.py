@@ -135,13 +135,23 @@ def test_device_check_names_a_tensor_on_the_wrong_device(monkeypatch):
 
     import utils.distributed_utils as du
 
-    for name in du.CHECKED_COLLECTIVES:  # restored after the test: the check wraps torch.distributed's functions
+    for name in [*du.CHECKED_COLLECTIVES, "P2POp"]:  # restored after the test: the check wraps torch's functions
         monkeypatch.setattr(dist, name, getattr(dist, name))
     du._check_collective_devices(torch.device("cpu"))
     with pytest.raises(du.CourseError, match=r"dist.all_reduce got a tensor on meta, but this rank's collectives"):
         dist.all_reduce(torch.empty(3, device="meta"))
     with pytest.raises(du.CourseError, match=r"dist.all_gather got a tensor on meta"):
         dist.all_gather([torch.empty(3, device="meta")], torch.empty(3, device="meta"))
+    # Batched send/recv (lesson 05, torch.distributed.pipelining): P2POp accepts the checked isend/irecv, and
+    # batch_isend_irecv checks each op's tensor. (P2POp refused the wrappers once: lesson 05 could not run on a GPU.)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ops = [dist.P2POp(dist.isend, torch.empty(3, device="meta"), 0)]
+        with pytest.raises(du.CourseError, match=r"dist.batch_isend_irecv got a tensor on meta"):
+            dist.batch_isend_irecv(ops)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_library_names_of_newer_torch_exist():

@@ -131,7 +131,10 @@ def setup(seed: int = 0, timeout_s: float | None = None) -> tuple[int, int, torc
 CHECKED_COLLECTIVES = (
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_single", "reduce_scatter",
     "reduce_scatter_single", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv",
 )  # fmt: skip
+# Not seen by the check: DTensor's and FSDP2's functional collectives (torch.distributed._functional_collectives)
+# do not go through these names; those paths get their device from the mesh (init_device_mesh(device.type, ...)).
 collective_calls_checked = 0
 
 
@@ -148,6 +151,8 @@ def _check_collective_devices(device: torch.device):
             global collective_calls_checked
             tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
             tensors += [t for a in args if isinstance(a, list | tuple) for t in a if isinstance(t, torch.Tensor)]
+            ops = [op for a in args if isinstance(a, list | tuple) for op in a if isinstance(op, dist.P2POp)]
+            tensors += [op.tensor for op in ops]
             for tensor in tensors:
                 if tensor.device.type != device.type:
                     raise CourseError(
@@ -164,6 +169,18 @@ def _check_collective_devices(device: torch.device):
         if not getattr(collective, "_course_checked", False):
             setattr(dist, name, guarded(name, collective))
             getattr(dist, name)._course_checked = True
+    if not issubclass(dist.P2POp, _P2POpOfCheckedCalls):
+        dist.P2POp = _P2POpOfCheckedCalls  # batch_isend_irecv (checked above) then checks each op's tensor
+
+
+class _P2POpOfCheckedCalls(dist.P2POp):
+    """dist.P2POp accepts only torch's own isend/irecv: given the checked wrappers, it keeps the function they wrap."""
+
+    def __new__(cls, op, *args, **kwargs):
+        return super().__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
+
+    def __init__(self, op, *args, **kwargs):
+        super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
 
 
 def require_world_size(world_size: int, *, divisible_by: int = 1, at_least: int = 1, why: str = ""):
