@@ -2,7 +2,9 @@
 #   make lab                 open the course: JupyterLab on the notebooks
 #   make test                every check on the CPU: lint, exercises in sync, tests, notebooks (what CI runs)
 #   make check LESSON=01     check your completed exercise for one lesson: one line per TODO
+#   make mutants [LESSON=03] instructors: the plausible mistakes each TODO's tests must catch (tests/mutants/)
 #   make test-gpu            instructors on a GPU node: every lesson with NCCL on the GPUs, against the CPU
+#   make test-floor          every lesson at 2 ranks under the oldest supported torch (.venv-floor), against .venv
 #   make exercises           regenerate exercises/ from solutions/ (maintainers)
 
 PYTHON ?= python3
@@ -12,11 +14,33 @@ LESSON ?= 01
 # JupyterLab refuses to start as root (a container, a CI machine) unless told that it is on purpose.
 LAB_FLAGS := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup lab test lint check test-gpu exercises clean
+# PyTorch: the release the whole course is tested on (requirements.txt gives the supported range), in the
+# build this machine can use. On Linux, PyPI's wheel is the CUDA build (gigabytes of GPU libraries): it is
+# what a machine with an NVIDIA GPU gets; without one we install the CPU build (a local wheel or mirror
+# first, then PyTorch's CPU index). macOS and Windows wheels are CPU builds already. Override with
+# `make setup TORCH_BUILD=cpu` (or cuda).
+TORCH_VERSION := 2.13.0
+TORCH_FLOOR   := 2.11.0
+CPU_INDEX     := https://download.pytorch.org/whl/cpu
+TORCH_BUILD   ?= $(if $(filter Linux,$(shell uname -s)),$(if $(shell nvidia-smi -L 2>/dev/null),cuda,cpu),default)
+
+# $(call install_torch,PIP,VERSION): the CPU build where TORCH_BUILD=cpu, else PyPI's default build.
+define install_torch
+	@echo "installing torch $(2), $(TORCH_BUILD) build"
+	if [ "$(TORCH_BUILD)" = cpu ]; then \
+	  $(1) install --quiet "torch==$(2)+cpu" 2>/dev/null \
+	  || $(1) install --quiet "torch==$(2)+cpu" --extra-index-url $(CPU_INDEX) \
+	  || $(1) install --quiet "torch==$(2)"; \
+	else $(1) install --quiet "torch==$(2)"; fi
+endef
+
+.PHONY: setup lab test lint check mutants test-gpu test-floor exercises clean
 
 $(VENV)/.installed: requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(call install_torch,$(BIN)/pip,$(TORCH_VERSION))
 	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/python -c "import torch; print('torch', torch.__version__, '(CUDA)' if torch.version.cuda else '(CPU)')"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -41,6 +65,17 @@ check: setup
 
 test-gpu: setup
 	$(BIN)/python -m tests.gpu_check
+
+# The oldest torch the course supports, in its own environment: every lesson's script at 2 ranks on the CPU,
+# losses compared with the same runs under .venv's torch.
+.venv-floor/.installed:
+	test -x .venv-floor/bin/python || $(PYTHON) -m venv .venv-floor
+	$(call install_torch,.venv-floor/bin/pip,$(TORCH_FLOOR))
+	.venv-floor/bin/pip install --quiet numpy datasets tqdm tensorboard psutil
+	touch $@
+
+test-floor: setup .venv-floor/.installed
+	CUDA_VISIBLE_DEVICES= .venv-floor/bin/python -m tests.floor_check --reference $(BIN)/python
 
 exercises: setup
 	$(BIN)/python -m utils.make_exercises
