@@ -63,6 +63,12 @@ check: setup
 	@CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest tests/test_$(LESSON)_*.py --target exercises -qq --tb=no -rN \
 		-o addopts="" -p no:warnings || true
 
+# Before a workshop, and for every new or changed TODO: each mistake in tests/mutants/ must fail its TODO's
+# check (and no other), and TODOs 1..k done must show "k of N". Slow: it runs a lesson's tests per mutant.
+mutants: setup
+	CUDA_VISIBLE_DEVICES= $(BIN)/python -m tests.mutants $(if $(filter command line,$(origin LESSON)),--lesson $(LESSON),)
+	CUDA_VISIBLE_DEVICES= $(BIN)/python -m tests.mutants --partial-credit $(if $(filter command line,$(origin LESSON)),--lesson $(LESSON),)
+
 test-gpu: setup
 	$(BIN)/python -m tests.gpu_check
 

@@ -57,8 +57,12 @@ def _title(text: str) -> str:
     return re.split(r"(?<=[a-z0-9)`])\. ", text.strip(), maxsplit=1)[0].rstrip(".")
 
 
-def make_exercise(solution_text: str, name: str) -> tuple[str, list[Todo]]:
-    """Return the exercise text for a solution and the TODOs it found, checking the markers."""
+def make_exercise(solution_text: str, name: str, done=frozenset()) -> tuple[str, list[Todo]]:
+    """Return the exercise text for a solution and the TODOs it found, checking the markers.
+
+    `done`: TODO numbers to keep solved (their solution code, without markers), as a learner who finished
+    them would have the file; `make mutants` uses it for partial credit and for mutated solutions.
+    """
     lines = solution_text.splitlines()
     out, todos = [], []
     header = None  # the most recent TODO header not yet followed by its region
@@ -89,7 +93,9 @@ def make_exercise(solution_text: str, name: str) -> tuple[str, list[Todo]]:
                 i += 1
             if i == len(lines):
                 raise MarkerError(f"{name}:{header.line}: TODO {header.number}'s region has no {END}")
-            if in_exercise:
+            if header.number in done:
+                out.extend(region)
+            elif in_exercise:
                 out.extend(exercise_lines)
             else:
                 out.append(f'{indent}raise NotImplementedError("TODO {header.number}: {header.title}")')

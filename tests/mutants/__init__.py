@@ -1,0 +1,19 @@
+"""Plausible learner mistakes, one list per lesson (`lesson_NN.py`), that each TODO's tests must catch.
+
+A mutant is a wrong version of one TODO's solution: `find` is a piece of the solution's code inside that TODO's
+`# BEGIN SOLUTION` region (it must occur exactly once in the whole solution), `replace` the mistake a learner
+makes there. `make mutants` (python -m tests.mutants) gives each mutated solution to the lesson's tests as a
+learner's completed exercise: the mutant is killed when `make check` shows its TODO as failing and blames no
+other TODO. Run it before a workshop and for every new or changed TODO; tests/test_mutants.py checks, in
+`make test`, that every TODO has at least two mutants that apply.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    todo: int  # the TODO whose region the mistake is in (and whose test must catch it)
+    what: str  # one line: what the mistake gets wrong
+    find: str  # solution code, found exactly once, inside TODO `todo`'s region
+    replace: str  # the mistake

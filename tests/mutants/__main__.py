@@ -1,0 +1,147 @@
+"""`make mutants [LESSON=NN]`: does each TODO's check catch the mistakes learners make? And does partial work
+earn partial credit?
+
+    python -m tests.mutants [--lesson 03] [--todo 2] [--quick]     every mutant of tests/mutants/lesson_NN.py
+    python -m tests.mutants --partial-credit [--lesson 03]         TODOs 1..k done must show "k of N TODOs done"
+
+For each mutant, the lesson's solution with that one mistake becomes a learner's completed exercise (in a
+temporary folder) and `make check`'s machinery runs on it (the lesson's tests with --target-dir, then the
+one-line-per-TODO report). The table shows lesson, TODO, the mistake, and the line a learner would see.
+Killed: the mutant's TODO is "failing" and no other TODO is. --quick runs only the tests named after the
+mutant's TODO (faster while writing mutants; it cannot see another TODO being blamed).
+"""
+
+import argparse
+import importlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.mutants import Mutant
+from utils.make_exercises import BEGIN, END, TODO_HEADER, make_exercise
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORT_LINE = re.compile(r"^\s+TODO (\d+)\s+(.*?) \.+ (passing|not started|failing.*|no test selected)$")
+COUNT_LINE = re.compile(r"^(\d+) of (\d+) TODOs done$")
+
+
+def lessons() -> list[str]:
+    return sorted(p.stem[:2] for p in (ROOT / "solutions").glob("[0-9][0-9]_*.py"))
+
+
+def solution_of(lesson: str) -> Path:
+    return next((ROOT / "solutions").glob(f"{lesson}_*.py"))
+
+
+def mutants_of(lesson: str) -> list[Mutant]:
+    try:
+        return importlib.import_module(f"tests.mutants.lesson_{lesson}").MUTANTS
+    except ModuleNotFoundError:
+        return []
+
+
+def regions(text: str) -> dict[int, tuple[int, int]]:
+    """TODO number -> (start, end) character offsets of its solution region (between the marker lines)."""
+    found, number, start, offset = {}, None, None, 0
+    for line in text.splitlines(keepends=True):
+        header = TODO_HEADER.match(line.rstrip("\n"))
+        if header:
+            number = int(header.group(2))
+        elif line.strip() == BEGIN:
+            start = offset + len(line)
+        elif line.strip() == END and number is not None and start is not None:
+            found[number], start = (start, offset), None
+        offset += len(line)
+    return found
+
+
+def apply(mutant: Mutant, text: str) -> str:
+    """The solution with the mutant's mistake; refuses a mutant that does not apply where it says."""
+    if text.count(mutant.find) != 1:
+        raise ValueError(f"TODO {mutant.todo} mutant {mutant.what!r}: its code occurs {text.count(mutant.find)} times")
+    at = text.index(mutant.find)
+    start, end = regions(text).get(mutant.todo, (0, -1))
+    if not start <= at < end:
+        raise ValueError(f"TODO {mutant.todo} mutant {mutant.what!r}: its code is outside TODO {mutant.todo}")
+    if mutant.find == mutant.replace:
+        raise ValueError(f"TODO {mutant.todo} mutant {mutant.what!r}: changes nothing")
+    return text.replace(mutant.find, mutant.replace)
+
+
+def check(lesson: str, script_text: str, tests: str | None = None) -> tuple[dict[int, str], str, str]:
+    """Run the lesson's tests on `script_text` as a learner's exercise: ({todo: status}, count line, output)."""
+    solution = solution_of(lesson)
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / solution.name).write_text(script_text)
+        command = [sys.executable, "-m", "pytest", *sorted(map(str, (ROOT / "tests").glob(f"test_{lesson}_*.py"))),
+                   "--target-dir", folder, "-qq", "--tb=no", "-rN", "-o", "addopts=", "-p", "no:warnings",
+                   "-p", "no:cacheprovider", *(["-k", tests] if tests else [])]  # fmt: skip
+        output = subprocess.run(command, cwd=ROOT, capture_output=True, text=True).stdout
+    statuses = {int(m.group(1)): m.group(3) for m in map(REPORT_LINE.match, output.splitlines()) if m}
+    count = next((line for line in output.splitlines() if COUNT_LINE.match(line)), "(no report)")
+    return statuses, count, output
+
+
+def run_mutants(selected: list[str], todo: int | None, quick: bool) -> int:
+    rows, survivors = [], 0
+    for lesson in selected:
+        solution = solution_of(lesson)
+        text = solution.read_text()
+        _, todos = make_exercise(text, solution.name)
+        for mutant in mutants_of(lesson):
+            if todo is not None and mutant.todo != todo:
+                continue
+            started = time.monotonic()
+            try:
+                mutated = apply(mutant, text)
+                learner = make_exercise(mutated, solution.name, done={t.number for t in todos})[0]
+                statuses, _, output = check(lesson, learner, f"todo{mutant.todo}_ or todos_" if quick else None)
+                own = statuses.get(mutant.todo, "no report:\n" + output[-1500:])
+                blamed = [n for n, s in statuses.items() if n != mutant.todo and s.startswith("failing")]
+                killed = own.startswith("failing") and not blamed
+                seen = f"TODO {mutant.todo} {own}" + (f"; also blamed: TODO {blamed}" if blamed else "")
+            except ValueError as error:
+                killed, seen = False, f"does not apply: {error}"
+            survivors += not killed
+            rows.append((lesson, mutant.todo, mutant.what, "killed" if killed else "SURVIVED", seen))
+            print(f"{lesson}  TODO {mutant.todo:<2} {'killed  ' if killed else 'SURVIVED'} {mutant.what}  "
+                  f"({time.monotonic() - started:.0f} s)\n      a learner sees: {seen[:300]}", flush=True)  # fmt: skip
+    print(f"\n{len(rows) - survivors} of {len(rows)} mutants killed")
+    return 1 if survivors or not rows else 0
+
+
+def run_partial_credit(selected: list[str]) -> int:
+    """Complete each lesson's TODOs one at a time, in order: the count must rise by one each time."""
+    failed = 0
+    for lesson in selected:
+        solution = solution_of(lesson)
+        _, todos = make_exercise(solution.read_text(), solution.name)
+        for k in range(len(todos) + 1):
+            learner = make_exercise(solution.read_text(), solution.name, done={t.number for t in todos[:k]})[0]
+            statuses, count, _ = check(lesson, learner)
+            expected = f"{k} of {len(todos)} TODOs done"
+            ok = count == expected
+            failed += not ok
+            print(f"{lesson}  TODOs 1-{k} done: {'ok' if ok else 'WRONG'}  report says {count!r}"
+                  + ("" if ok else f"  {statuses}"), flush=True)  # fmt: skip
+    return 1 if failed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lesson", default=None, help="one lesson, e.g. 03 (default: all)")
+    parser.add_argument("--todo", type=int, default=None, help="only this TODO's mutants")
+    parser.add_argument("--quick", action="store_true", help="run only the mutant's own TODO's tests")
+    parser.add_argument("--partial-credit", action="store_true", help="check partial credit instead of mutants")
+    args = parser.parse_args()
+    selected = [args.lesson] if args.lesson else lessons()
+    if args.partial_credit:
+        return run_partial_credit(selected)
+    return run_mutants(selected, args.todo, args.quick)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Every TODO of every lesson has at least two plausible mistakes that apply (`make mutants` runs them)."""
+
+import pytest
+
+from tests.mutants.__main__ import apply, lessons, mutants_of, solution_of
+from utils.make_exercises import make_exercise
+
+
+@pytest.mark.parametrize("lesson", lessons())
+def test_every_todo_has_two_mutants_that_apply(lesson):
+    solution = solution_of(lesson)
+    text = solution.read_text()
+    _, todos = make_exercise(text, solution.name)
+    mutants = mutants_of(lesson)
+    for mutant in mutants:
+        mutated = apply(mutant, text)  # raises, naming the mutant, if it does not apply inside its TODO
+        make_exercise(mutated, solution.name)  # the markers are intact
+    per_todo = {t.number: sum(m.todo == t.number for m in mutants) for t in todos}
+    missing = {n: count for n, count in per_todo.items() if count < 2}
+    assert not missing, (
+        f"lesson {lesson}: TODOs with fewer than two mutants in tests/mutants/lesson_{lesson}.py: {missing}; "
+        "add the mistakes a learner makes there (see tests/mutants/__init__.py)"
+    )
