@@ -74,7 +74,8 @@ def apply(mutant: Mutant, text: str) -> str:
 def check(lesson: str, script_text: str, tests: str | None = None) -> tuple[dict[int, str], str, str]:
     """Run the lesson's tests on `script_text` as a learner's exercise: ({todo: status}, count line, output)."""
     solution = solution_of(lesson)
-    with tempfile.TemporaryDirectory() as folder:
+    # In a folder directly under the course root: the script finds utils/ one level up, as in solutions/.
+    with tempfile.TemporaryDirectory(prefix=".mutant-", dir=ROOT) as folder:
         (Path(folder) / solution.name).write_text(script_text)
         command = [sys.executable, "-m", "pytest", *sorted(map(str, (ROOT / "tests").glob(f"test_{lesson}_*.py"))),
                    "--target-dir", folder, "-qq", "--tb=no", "-rN", "-o", "addopts=", "-p", "no:warnings",
