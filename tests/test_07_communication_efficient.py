@@ -181,10 +181,13 @@ def test_todo2_topk_keeps_what_it_did_not_send_for_later(lesson07, group_of_one)
     assert first.tolist() == [3.0, 0.0, 0.0], f"TODO 2: with k = 1, send the largest entry only, not {first}"
     second = lesson07.topk_hook(state, FakeBucket(torch.tensor([0.0, 0.0, 0.5]), parameter)).wait()
     assert second.tolist() == [0.0, 0.0, 2.5], (
-        f"TODO 2: error feedback: the 2 kept back from step 1 plus 0.5 now is the largest entry; got {second}"
+        f"TODO 2: error feedback: the 2 kept back from step 1 plus 0.5 now is the largest entry; got {second} "
+        "(add the error kept back; the entries sent leave it: set them to 0)"
     )
     third = lesson07.topk_hook(state, FakeBucket(torch.tensor([0.0, 0.0, 0.0]), parameter)).wait()
-    assert third.tolist() == [0.0, -1.0, 0.0], f"TODO 2: the -1 kept back since step 1 goes out last; got {third}"
+    assert third.tolist() == [0.0, -1.0, 0.0], (
+        f"TODO 2: the -1 kept back since step 1 goes out last (the largest magnitude, .abs()); got {third}"
+    )
 
 
 def test_todo2_error_feedback_follows_the_parameters_when_buckets_change(lesson07, group_of_one):
@@ -212,13 +215,19 @@ class FailedWork:
 def check_failure_raises(monkeypatch, todo, hook, state):
     monkeypatch.setattr(dist, "all_gather_single", lambda *args, **kwargs: FailedWork())
     future = hook(state, FakeBucket(torch.tensor([1.0, -2.0, 3.0, 0.5])))
-    with pytest.raises(RuntimeError, match="the link went down"):
+    advice = "Wait on the collectives' futures in decode (torch.futures.wait_all(...)) so that their errors reach DDP"
+    try:
         result = future.wait()
+    except RuntimeError as error:
+        if "the link went down" in str(error):
+            return  # the collective's own error reached the caller
+        first = str(error).strip().splitlines()[0][:120]
         pytest.fail(
-            f"TODO {todo}: the all-gather failed, yet the hook returned {result.tolist()}: decode read buffers "
-            "nobody filled. Wait on the collectives' futures in decode (torch.futures.wait_all(...)) so that "
-            "their errors reach DDP"
+            f"TODO {todo}: the all-gather failed, and decode went on with buffers nobody filled ({first}). {advice}"
         )
+    pytest.fail(
+        f"TODO {todo}: the all-gather failed, yet the hook returned {result.tolist()} from unfilled buffers. {advice}"
+    )
 
 
 def test_todo2_a_failed_collective_raises(lesson07, group_of_one, monkeypatch):

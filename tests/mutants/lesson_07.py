@@ -38,10 +38,20 @@ MUTANTS = [
     Mutant(
         todo=2,
         what="the error kept per bucket index: after DDP rebuilds its buckets it lands on other parameters",
-        find="    corrected = grad + state.error_of(bucket)",
+        find=(
+            "    corrected = grad + state.error_of(bucket)\n"
+            "    indices = corrected.abs().topk(k, sorted=False).indices\n"
+            "    values = corrected[indices]\n"
+            "    corrected[indices] = 0\n"
+            "    state.keep(bucket, corrected)"
+        ),
         replace=(
             "    error = state.errors.get(bucket.index())\n"
-            "    corrected = grad + error if error is not None and error.numel() == grad.numel() else grad.clone()"
+            "    corrected = grad + error if error is not None and error.numel() == grad.numel() else grad.clone()\n"
+            "    indices = corrected.abs().topk(k, sorted=False).indices\n"
+            "    values = corrected[indices]\n"
+            "    corrected[indices] = 0\n"
+            "    state.errors[bucket.index()] = corrected"
         ),
     ),
     Mutant(
