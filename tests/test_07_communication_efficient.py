@@ -263,7 +263,8 @@ def test_todo2_error_feedback_survives_ddp_rebuilding_its_buckets(in_ddp):
     assert result["worst"] < 1e-5, (
         f"TODO 2: after DDP rebuilt its buckets, what {result['where']} sent plus what it kept back differs from "
         f"the sum of its gradients by {result['worst']:.1e} (relative): its leftover went to another parameter or "
-        "was dropped. Keep the error per parameter (state.error_of(bucket) / state.keep(bucket, ...))"
+        "was dropped (keep the error per parameter: state.error_of(bucket) / state.keep(bucket, ...)), or the sum of "
+        "the ranks' values was not divided by n"
     )
 
 
