@@ -4,8 +4,9 @@
 
 DDP averages every gradient in full precision at every step. When the network is the bottleneck, send
 less: cast the gradients to 16 bits (fp16, bf16), keep only the k largest entries (top-k, with error
-feedback), round them to 8-bit integers (QSGD-style stochastic rounding), send a low-rank approximation
-(PowerSGD), or communicate only every H steps (Local SGD, post-local SGD). Each method is a DDP
+feedback), round them to a few bits per entry (stochastic rounding, scaled by max|x| as TernGrad does; QSGD
+scales by the L2 norm), send a low-rank approximation (PowerSGD), or communicate only every H steps (Local SGD,
+post-local SGD). Each method is a DDP
 communication hook (`register_comm_hook`) or a change to the loop, and every byte that any method hands
 to a collective is counted the same way: what this rank sends on a ring (an all-reduce of B bytes over
 n ranks sends 2(n-1)/n x B, an all-gather of B bytes from each rank sends (n-1) x B).
@@ -43,6 +44,7 @@ from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (
     Logger,
     Throughput,
+    autocast,
     base_parser,
     build_optimizer,
     check_batches,
@@ -52,7 +54,7 @@ from utils.training import (
 )
 
 METHODS = ["none", "fp16", "bf16", "topk", "quantize", "powersgd", "localsgd", "postlocal"]
-BITS = [2, 4, 8, 16, 32]  # 2-8 travel as int8, 16 as int16, 32 = full precision (nothing is rounded)
+BITS = [2, 4, 8, 16, 32]  # codes travel as bytes: 4 two-bit or 2 four-bit codes per byte; 32 = no rounding
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,7 +152,7 @@ def checked(hook, bucket_sizes: dict):
 # --------------------------------------------------------------------------------------------------
 
 
-def allreduce_hook(group, bucket: dist.GradBucket) -> torch.futures.Future:
+def allreduce_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Plain DDP as a communication hook: the reference every other method is compared with."""
     # TODO 1: a DDP communication hook. DDP calls it with each bucket of gradients (bucket.buffer(), one flat
     #   tensor) and waits for the Future it returns, whose value must be ONE tensor of the bucket's size: the
@@ -160,22 +162,52 @@ def allreduce_hook(group, bucket: dist.GradBucket) -> torch.futures.Future:
 
 
 class TopKState:
+    """Top-k's settings and its error-feedback memory: what this rank did not send yet, one tensor per parameter.
+
+    Kept per parameter, not per bucket: DDP rebuilds its buckets after the first step (in the order the
+    gradients became ready), so bucket 0 of step 2 may hold other parameters, in another order, than bucket 0
+    of step 1. bucket.parameters() lists a bucket's parameters in the order of their gradients in
+    bucket.buffer(); error_of() and keep() translate between that flat layout and the per-parameter memory.
+    The memory is training state: a checkpoint that leaves it out resumes with other updates (state_dict()).
+    """
+
     def __init__(self, ratio: float, group=None):
         self.ratio, self.group = ratio, group
-        self.errors = {}  # bucket index -> what this rank did not send yet (error feedback)
+        self.errors = {}  # parameter -> what this rank did not send yet of its gradient (error feedback)
+
+    def error_of(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """The bucket's error feedback as one flat tensor in the layout of bucket.buffer() (zeros at first)."""
+        grad = bucket.buffer()
+        parts = [self.errors.get(p, torch.zeros_like(p)).reshape(-1) for p in bucket.parameters()]
+        return torch.cat(parts).to(grad.dtype) if parts else torch.zeros_like(grad)
+
+    def keep(self, bucket: dist.GradBucket, flat_error: torch.Tensor):
+        """Store a flat error (bucket.buffer()'s layout) back per parameter."""
+        params = bucket.parameters()
+        for p, error in zip(params, flat_error.split([p.numel() for p in params])):
+            self.errors[p] = error.view_as(p)
+
+    def state_dict(self, module: torch.nn.Module) -> dict:
+        """The error memory by parameter name, for a checkpoint (each rank saves its own: they differ)."""
+        return {name: self.errors[p].clone() for name, p in module.named_parameters() if p in self.errors}
+
+    def load_state_dict(self, module: torch.nn.Module, state: dict):
+        parameters = dict(module.named_parameters())
+        self.errors = {parameters[name]: error.to(parameters[name].device) for name, error in state.items()}
 
 
-def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future:
+def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Top-k sparsification with error feedback: each rank sends its k largest entries (value and index)."""
     grad = bucket.buffer()
     n = dist.get_world_size(state.group)
     k = min(grad.numel(), max(1, math.ceil(state.ratio * grad.numel())))
-    # TODO 2: top-k with error feedback. Add what this rank kept back last time (state.errors[bucket.index()],
-    #   zeros at first) to the gradient; pick the k entries of largest magnitude (.abs().topk(k)); keep the rest
-    #   as the new error (the sent entries set to 0). All-gather the k values (float) and k indices (int32) of
-    #   every rank (dist.all_gather_single into buffers of n x k, async_op=True), wait for both with
-    #   torch.futures.collect_all([...]).then(...), and add every rank's values into a zero tensor of the
-    #   bucket's size (index_add_), divided by n. Entries no rank sent are 0 this step.
+    # TODO 2: top-k with error feedback. Add what this rank kept back last time (state.error_of(bucket): zeros
+    #   at first) to the gradient; pick the k entries of largest magnitude (.abs().topk(k)); keep the rest as
+    #   the new error, the sent entries set to 0 (state.keep(bucket, ...)). All-gather the k values (float) and
+    #   k indices (int32) of every rank (dist.all_gather_single into buffers of n x k, async_op=True), then
+    #   torch.futures.collect_all([...]).then(decode): decode first waits on the collectives' own futures
+    #   (torch.futures.wait_all(...) raises if one failed: never decode a buffer nobody filled), then adds
+    #   every rank's values into a zero tensor of the bucket's size (index_add_), divided by n.
     raise NotImplementedError("TODO 2: top-k with error feedback")
 
 
@@ -197,25 +229,49 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.to(scale.dtype) * scale
 
 
+def to_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes as the bytes that go on the wire (uint8: every backend gathers bytes, gloo and NCCL have no
+    int16 collectives). 2- and 4-bit codes are packed 4 and 2 to a byte: ceil(N x bits / 8) bytes."""
+    if bits not in (2, 4):
+        return codes.reshape(-1).view(torch.uint8)  # int8, int16 or float32 codes: their own bytes
+    per_byte = 8 // bits
+    unsigned = (codes.reshape(-1).to(torch.int32) + 2 ** (bits - 1) - 1).to(torch.uint8)  # [-L, L] -> [0, 2L]
+    unsigned = torch.nn.functional.pad(unsigned, (0, -unsigned.numel() % per_byte)).view(-1, per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (unsigned << shifts).sum(1, dtype=torch.uint8)  # the fields do not overlap: sum = bitwise or
+
+
+def from_bytes(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """to_bytes undone, row by row: data (rows x bytes, uint8) -> codes (rows x numel)."""
+    rows = data.shape[0]
+    if bits not in (2, 4):
+        dtype = {8: torch.int8, 16: torch.int16, 32: torch.float32}[bits]
+        return data.view(dtype).view(rows, numel)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)
+    unsigned = (data.unsqueeze(-1) >> shifts) & (2**bits - 1)  # rows x bytes x codes per byte
+    return unsigned.view(rows, -1)[:, :numel].to(torch.int8) - (2 ** (bits - 1) - 1)
+
+
 class QuantizeState:
     def __init__(self, bits: int, seed: int, device, group=None):
         self.bits, self.group = bits, group
         self.generator = torch.Generator(device=device).manual_seed(seed)  # each rank its own draws
 
 
-def quantize_hook(state: QuantizeState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """QSGD-style: each rank sends its gradients as small integers plus one scale; every rank decodes them all."""
+def quantize_hook(state: QuantizeState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Each rank sends its gradients as a few bits per entry plus one scale; every rank decodes them all."""
     grad = bucket.buffer()
     n = dist.get_world_size(state.group)
-    # TODO 4: exchange quantized gradients. Quantize the bucket (TODO 3). Integer codes of different ranks have
-    #   different scales and would overflow if summed in 8 bits, so all-gather them instead: the codes into a
-    #   buffer of n x the codes' size, the scales (reshaped to 1 value) into n values, both async; then
-    #   collect_all(...).then(...) decodes each rank's row (dequantize, codes as an n-row view, scales as an
-    #   n x 1 column), sums the rows and divides by n.
+    # TODO 4: exchange quantized gradients. Quantize the bucket (TODO 3) and turn the codes into bytes
+    #   (to_bytes). Codes of different ranks have different scales and would overflow if summed in a few bits,
+    #   so all-gather them instead: the bytes into a buffer of n x their size, the scales (reshaped to 1 value)
+    #   into n values, both async; then collect_all(...).then(decode): decode waits on the collectives' own
+    #   futures (torch.futures.wait_all raises if one failed), turns the bytes back into n rows of codes
+    #   (from_bytes), dequantizes each row with ITS rank's scale (an n x 1 column), sums the rows, divides by n.
     raise NotImplementedError("TODO 4: exchange quantized gradients")
 
 
-def local_hook(state, bucket: dist.GradBucket) -> torch.futures.Future:
+def local_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Local SGD between averages: no communication, each rank keeps its own gradient."""
     future = torch.futures.Future()
     future.set_result(bucket.buffer())
@@ -227,7 +283,8 @@ def average_parameters(module: torch.nn.Module, group=None):
     # TODO 5: average the parameters. Flatten them into one vector (parameters_to_vector: one collective instead
     #   of one per tensor), all-reduce it (a sum), divide by the number of ranks, and write it back
     #   (vector_to_parameters). Run every --local-steps steps, this keeps the ranks' models identical after
-    #   each average and lets them drift apart in between; with --local-steps 1 it is DDP again.
+    #   each average and lets them drift apart in between. With --local-steps 1 and SGD it is DDP again (the
+    #   update is linear in the gradient); with AdamW it is not: each rank's moments see only its own gradients.
     raise NotImplementedError("TODO 5: average the parameters")
 
 
@@ -278,7 +335,9 @@ def main():
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--method", choices=METHODS, default="none", help="how gradients (or models) are averaged")
     parser.add_argument("--topk-ratio", type=float, default=0.01, help="topk: fraction of entries each rank sends")
-    parser.add_argument("--bits", type=int, choices=BITS, default=8, help="quantize: bits per entry (32: no rounding)")
+    parser.add_argument(
+        "--bits", type=int, choices=BITS, default=8, help="quantize: bits per entry on the wire (32: no rounding)"
+    )
     parser.add_argument("--powersgd-rank", type=positive_int, default=1, help="powersgd: rank of the approximation")
     parser.add_argument("--local-steps", type=positive_int, default=4, help="localsgd/postlocal: steps per average")
     parser.add_argument(
@@ -339,7 +398,8 @@ def main():
         inputs, targets = inputs.to(device), targets.to(device)
         optimizer.zero_grad(set_to_none=True)
         with wire.counting():  # the gradients' communication happens inside backward, in the hook
-            loss = loss_fn(model(inputs), targets)
+            with autocast(args, device):  # bf16 forward with --autocast bf16; the gradients stay float32
+                loss = loss_fn(model(inputs), targets)
             loss.backward()
         optimizer.step()
         with wire.counting():  # the methods that average models do it after the optimizer step
