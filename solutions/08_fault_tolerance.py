@@ -28,6 +28,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -114,8 +115,7 @@ def checkpoint_dir_problem(folder: Path) -> str | None:
         return f"{folder} is a file; name a folder"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f".write-test-{os.getpid()}").touch()
-        (folder / f".write-test-{os.getpid()}").unlink()
+        tempfile.TemporaryFile(dir=folder).close()  # a file of a unique name: every rank may try at once
     except OSError as error:
         return f"cannot write into {folder} ({error.strerror}); choose a folder you can write to"
     return None
@@ -546,7 +546,7 @@ def main():
             crash(rank, f"at step {step}, after its optimizer step", checkpoint_dir)
         stop = shared[1].item() > 0
         if stop:
-            budget = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30 by default")
+            budget = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30 (the default)")
             print0(f"stop requested ({', '.join(stop_requested) or 'on another rank'}) at step {step}: saving now "
                    f"(under torchrun, its shutdown timeout must outlast the save: {budget} s)")  # fmt: skip
         if step % args.checkpoint_every == 0 or step == args.steps or stop:
