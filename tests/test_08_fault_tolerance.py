@@ -196,9 +196,6 @@ def check_publish_order(log, staging, final, pointer):
     assert synced_between(log, meta_inode, 0, at), (
         "TODO 2: fsync META before the rename (write_durably): else a power loss can publish an empty META"
     )
-    assert synced_between(log, folder, at + 1, len(log)), (
-        "TODO 2: fsync the checkpoint folder after the rename (fsync_dir): the rename itself must reach the disk"
-    )
     onto_pointer = [i for i in moves if log[i][2] == pointer]
     assert onto_pointer and log[onto_pointer[-1]][3] == pointer.stat().st_ino, (
         "TODO 2: write the pointer to a temporary file and os.replace it onto 'latest'; written in place, a crash "
@@ -206,6 +203,10 @@ def check_publish_order(log, staging, final, pointer):
     )
     replaced = onto_pointer[-1]
     assert replaced > at, "TODO 2: point 'latest' at the new checkpoint only once it is published (after the rename)"
+    assert synced_between(log, folder, at + 1, replaced), (
+        "TODO 2: fsync the checkpoint folder after the rename (fsync_dir), before the pointer names the new folder: "
+        "else after a power loss 'latest' can name a folder whose rename never reached the disk"
+    )
     assert synced_between(log, pointer.stat().st_ino, at, replaced), (
         "TODO 2: fsync the pointer's temporary file before replacing 'latest' with it"
     )
