@@ -13,15 +13,22 @@ checkpoint, and the resumed run ends bit-identical to one that was never interru
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
         solutions/08_fault_tolerance.py --checkpoint-every 10 --crash-at-step 25
     torchrun --nproc_per_node=2 solutions/08_fault_tolerance.py --async-save           # DCP async_save
-    sbatch slurm/08_fault_tolerance.sbatch solutions     # requeued on preemption (SIGUSR1), resumes by itself
+    sbatch slurm/08_fault_tolerance.sbatch solutions     # saves on SIGUSR1 (time limit) or SIGTERM (preemption)
+
+SIGUSR1 or SIGTERM asks every rank to finish its step, save and stop. Under torchrun the ranks get it from
+torchrun, which SIGKILLs them after its shutdown timeout (30 s by default): give a large model's save the time it
+needs with TORCH_ELASTIC_SHUTDOWN_TIMEOUT or `torchrun --shutdown-timeout` (torch releases that have it).
 """
 
+import errno
+import io
 import json
 import math
 import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -39,6 +46,7 @@ from torch.utils.data import DistributedSampler
 
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
+from utils.faults import crash, forget_kill, pause, seconds_since_kill
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (
@@ -67,14 +75,50 @@ def checkpoint_name(step: int) -> str:
 
 
 def default_checkpoint_dir() -> Path:
-    """checkpoints/08_fault_tolerance, one folder per Slurm job (a requeued job keeps its id, so it finds its own)."""
-    job = os.environ.get("SLURM_JOB_ID")
-    return ROOT / "checkpoints" / ("08_fault_tolerance" + (f"-job{job}" if job else ""))
+    """checkpoints/08_fault_tolerance: one folder per run name, not per job, so that a resubmitted job (a new job
+    id) finds the checkpoints of the run it continues. Another run needs another --checkpoint-dir."""
+    return ROOT / "checkpoints" / "08_fault_tolerance"
 
 
 def attempt() -> int:
     """0 on the first attempt; torchrun counts its restarts, Slurm its requeues."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) + int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def run_config(args, world_size: int) -> dict:
+    """What the run's result depends on, stored in every checkpoint: resuming with another --steps, warm-up,
+    learning rate, global batch, seed, data or model would silently continue another run, so it is refused."""
+    return {
+        "steps": args.steps, "warmup_steps": args.warmup_steps, "optimizer": args.optimizer, "lr": args.lr,
+        "global_batch": args.batch_size * world_size, "seed": args.seed, "dataset": args.dataset,
+        "token_noise": args.token_noise, **asdict(model_config(args)),
+    }  # fmt: skip
+
+
+def check_same_run(folder: Path, meta: dict, run: dict):
+    """One line, before any training step, if the checkpoint in `folder` belongs to another run (or model)."""
+    saved = meta.get("run")
+    if not isinstance(saved, dict):
+        raise CourseError(f"{folder} records no run configuration (another script's checkpoint?): start afresh "
+                          "with another --checkpoint-dir")  # fmt: skip
+    differ = [f"{k} {saved.get(k)!r}, now {v!r}" for k, v in run.items() if saved.get(k) != v]
+    if differ:
+        raise CourseError(
+            f"{folder} was saved by another run ({'; '.join(differ)}): resume with the options it was saved with "
+            "(global_batch = --batch-size x ranks), or start afresh with another --checkpoint-dir"
+        )
+
+
+def checkpoint_dir_problem(folder: Path) -> str | None:
+    """Why checkpoints cannot be written into `folder` (created here if need be), or None."""
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} is a file; name a folder"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()  # a file of a unique name: every rank may try at once
+    except OSError as error:
+        return f"cannot write into {folder} ({error.strerror}); choose a folder you can write to"
+    return None
 
 
 def apply_fsdp(model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -131,10 +175,16 @@ def add_token_noise(inputs: torch.Tensor, probability: float, vocab_size: int) -
 
 
 def fsync_dir(path: Path):
-    """Make a rename or a new file in `path` durable: the directory entry itself must reach the disk."""
+    """Make a rename or a new file in `path` durable: the directory entry itself must reach the disk.
+
+    Some file systems (some network and FUSE mounts) refuse fsync on a directory (EINVAL, ENOTSUP): there the
+    rename is as durable as that file system makes it, and there is nothing more to do."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
     finally:
         os.close(descriptor)
 
@@ -205,10 +255,19 @@ def publish(staging: Path, shared: dict, keep: int) -> Path:
     os.replace(pointer_tmp, checkpoint_dir / POINTER)
     fsync_dir(checkpoint_dir)
     # END SOLUTION
-    # Keep the newest `keep`: older ones only cost disk space (and inodes) once a newer one is published.
-    for old in sorted(checkpoint_dir.glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(checkpoint_dir, shared["step"], keep)
     return final
+
+
+def prune(checkpoint_dir: Path, published_step: int, keep: int):
+    """Keep the checkpoint just published and the `keep` - 1 newest before it; older ones only cost disk space.
+
+    Only folders of earlier steps are candidates: a folder of a later step is a damaged one the resume skipped
+    (else the run would not be here), and counting it among the newest `keep` could delete the one just published.
+    """
+    older = [f for f in checkpoint_dir.glob("step-*") if int(f.name.split("-")[-1]) < published_step]
+    for old in sorted(older)[: max(len(older) - (keep - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def problem_with(folder: Path) -> str | None:
@@ -286,14 +345,6 @@ def restore(folder: Path, model, optimizer, scheduler, progress: Progress, rank:
 # --------------------------------------------------------------------------------------------------
 
 
-def crash(rank: int, where: str, checkpoint_dir: Path):
-    """Test only: SIGKILL this process, as the kernel's OOM killer or a failed node would (no clean-up runs)."""
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    (checkpoint_dir / "killed-at").write_text(f"{time.time()!r}\n")  # for the restarted run's restart time
-    print(f"[rank {rank}] killed with SIGKILL {where}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 class Checkpointer:
     """Saves checkpoints into `checkpoint_dir`: each rank its DCP shards and its rank-R.pt, rank 0 publishes.
 
@@ -303,9 +354,10 @@ class Checkpointer:
     so they never interleave with the training's collectives on the default group.
     """
 
-    def __init__(self, checkpoint_dir: Path, keep: int, use_async: bool, rank: int, world_size: int):
+    def __init__(self, checkpoint_dir: Path, keep: int, use_async: bool, rank: int, world_size: int, run: dict):
         self.dir, self.keep, self.use_async = checkpoint_dir, keep, use_async
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.run = rank, world_size, run
+        self.slow_save_s = 0.0  # test only: stands in for the minutes a large model's save takes
         self.group = dist.new_group(backend="gloo") if use_async else None
         self.pending = None  # (future, staging folder, shared) of an async save not yet published
         self.saves = []  # {"step", "blocking_s", "total_s"} per save: what the learner measures
@@ -320,8 +372,10 @@ class Checkpointer:
             staging.mkdir(parents=True)
         dist.barrier()  # the staging folder exists before anyone writes into it
         sharded, per_rank, shared = checkpoint_state(model, optimizer, scheduler, progress)
-        shared = {**shared, "world_size": self.world_size}  # for the record: any world size can load it
-        torch.save(per_rank, staging / f"rank-{self.rank}.pt")
+        shared = {**shared, "world_size": self.world_size, "run": self.run}  # any world size can load it
+        buffer = io.BytesIO()
+        torch.save(per_rank, buffer)  # written durably: META will vouch for it once every rank has written it
+        write_durably(staging / f"rank-{self.rank}.pt", buffer.getvalue())
         if self.use_async:
             future = dcp.async_save(sharded, checkpoint_id=str(staging), process_group=self.group)
             if crash_now:
@@ -330,6 +384,7 @@ class Checkpointer:
             self.pending = (future, staging, shared, started)
         else:
             dcp.save(sharded, checkpoint_id=str(staging))
+            pause(self.slow_save_s)
             if crash_now:  # every shard is written, nothing is published yet: the worst moment to die
                 crash(self.rank, f"during the save of step {progress.step}", self.dir)
             self._publish(staging, shared, started)
@@ -365,7 +420,7 @@ class Checkpointer:
 
 
 def main():
-    parser = base_parser(__doc__.splitlines()[0])
+    parser = base_parser(__doc__.splitlines()[0], without=("--autocast", "--checkpoint"))  # fp32; its own saves
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="default: checkpoints/08_fault_tolerance")
     parser.add_argument("--checkpoint-every", type=positive_int, default=50, help="save every N steps (and at the end)")
     parser.add_argument("--keep", type=positive_int, default=2, help="keep the newest N checkpoints")
@@ -377,25 +432,35 @@ def main():
     parser.add_argument(
         "--crash-during-save", action="store_true", help="test only: kill inside the save of --crash-at-step"
     )
+    parser.add_argument("--slow-steps", type=non_negative_float, default=0, help="test only: seconds added per step")
+    parser.add_argument("--slow-save", type=non_negative_float, default=0, help="test only: seconds added per save")
     args = parse_args(parser)
     checkpoint_dir = (args.checkpoint_dir or default_checkpoint_dir()).resolve()
-    if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
-        parser.error(f"argument --checkpoint-dir: {checkpoint_dir} is a file; name a folder")
+    problem = checkpoint_dir_problem(checkpoint_dir)
+    if problem:
+        parser.error(f"argument --checkpoint-dir: {problem}")
     if args.crash_during_save and args.crash_at_step and args.crash_at_step % args.checkpoint_every:
         parser.error("argument --crash-during-save: --crash-at-step must be a multiple of --checkpoint-every")
+
+    # A stop request only sets a flag: the step finishes, the ranks agree, and all of them save before they stop.
+    # SIGUSR1: Slurm's warning before the time limit (--signal=B:USR1@...), passed on by the batch script, srun and
+    # torchrun. SIGTERM: what Slurm sends on preemption or scancel, and what torchrun passes on when it is stopped.
+    # torchrun SIGKILLs its workers when its shutdown timeout ends (30 s unless configured): the save must fit.
+    stop_requested = []
+
+    def request_stop(signum, frame):
+        stop_requested.append(signal.Signals(signum).name)
+
+    for stop_signal in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(stop_signal, request_stop)
+    if torch.cuda.is_available():  # bit-identical on GPUs needs deterministic kernels, chosen before any CUDA work
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's reproducible workspace
+        torch.use_deterministic_algorithms(True)
+
     process_started = time.time()
     local_rank, rank, device, world_size = setup(args.seed)
     if not 0 <= args.crash_rank < world_size:
         raise CourseError(f"--crash-rank {args.crash_rank}: choose a rank from 0 to {world_size - 1}")
-
-    # A preemption warning (Slurm's --signal=B:USR1@..., passed on by the batch script, srun and torchrun)
-    # only sets a flag: the step finishes, the ranks agree, and all of them save before they stop.
-    stop_requested = []
-
-    def request_stop(signum, frame):
-        stop_requested.append(signum)
-
-    signal.signal(signal.SIGUSR1, request_stop)
 
     train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
     check_batches(len(train), args, world_size)
@@ -422,24 +487,19 @@ def main():
     choice = [find_latest(checkpoint_dir) if rank == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     resumed_from, restart_s = None, None
+    run = run_config(args, world_size)
     if choice[0] is not None:
         meta = json.loads((choice[0] / META).read_text())
-        if meta["step"] > args.steps:
-            raise CourseError(
-                f"{choice[0]} is at step {meta['step']}, past --steps {args.steps}: raise --steps, or start "
-                f"afresh with another --checkpoint-dir"
-            )
+        check_same_run(choice[0], meta, run)
         try:
             restore(choice[0], model, optimizer, scheduler, progress, rank)
-        except (RuntimeError, ValueError, KeyError) as error:  # shapes or names that do not fit this model
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:  # what does not fit this model
             raise CourseError(
                 f"{choice[0]} does not fit this model ({type(error).__name__}: {str(error).splitlines()[0][:120]}); "
                 "use the model options it was saved with, or another --checkpoint-dir"
             ) from error
         resumed_from = progress.step
-        killed_at = checkpoint_dir / "killed-at"
-        if killed_at.exists():  # written by --crash-at-step just before the kill: how long the restart took
-            restart_s = time.time() - float(killed_at.read_text())
+        restart_s = seconds_since_kill(checkpoint_dir)  # after --crash-at-step: how long the restart took
         print0(
             f"resumed from {choice[0].name}: step {progress.step}, epoch {progress.epoch}, {progress.offset} samples"
             f" into it (saved by {meta.get('world_size', '?')} ranks, now {world_size})"
@@ -451,8 +511,9 @@ def main():
     if rank == 0:  # what a crash left behind: partial saves (rewritten if needed) and the test's kill time
         for leftover in checkpoint_dir.glob(STAGING + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
-        (checkpoint_dir / "killed-at").unlink(missing_ok=True)
-    checkpointer = Checkpointer(checkpoint_dir, args.keep, args.async_save, rank, world_size)
+        forget_kill(checkpoint_dir)
+    checkpointer = Checkpointer(checkpoint_dir, args.keep, args.async_save, rank, world_size, run)
+    checkpointer.slow_save_s = args.slow_save
     dist.barrier()
 
     data = batches(train, sampler, args.batch_size, progress, world_size)
@@ -470,6 +531,7 @@ def main():
         loss.backward()
         optimizer.step()
         scheduler.step()
+        pause(args.slow_steps)
         progress.step += 1
         step = progress.step
         # One small all-reduce carries the loss, whether any rank was asked to stop, and how many ranks have
@@ -483,6 +545,10 @@ def main():
         if args.crash_at_step == step and rank == args.crash_rank and attempt() == 0 and not args.crash_during_save:
             crash(rank, f"at step {step}, after its optimizer step", checkpoint_dir)
         stop = shared[1].item() > 0
+        if stop:
+            budget = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30 (the default)")
+            print0(f"stop requested ({', '.join(stop_requested) or 'on another rank'}) at step {step}: saving now "
+                   f"(under torchrun, its shutdown timeout must outlast the save: {budget} s)")  # fmt: skip
         if step % args.checkpoint_every == 0 or step == args.steps or stop:
             crash_now = args.crash_during_save and args.crash_at_step == step and rank == args.crash_rank
             checkpointer.save(model, optimizer, scheduler, progress, crash_now=crash_now and attempt() == 0)
@@ -492,7 +558,7 @@ def main():
         if step % args.log_every == 0 or step == args.steps:
             print0(f"step {step:5d}  loss {progress.losses[-1]:.4f}")
         if stop:
-            print0(f"STOPPED at step {step} after a stop request (SIGUSR1): checkpoint saved, resubmit or requeue")
+            print0(f"STOPPED at step {step}: checkpoint saved; run the same command again to resume")
             stopped = True
             break
     checkpointer.wait()  # an async save still in flight is finished and published before exit

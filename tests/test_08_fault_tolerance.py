@@ -8,13 +8,18 @@ the first time a test needs them, and shared. Every run trains 8 steps of the ti
 of 8 sequences; "reference" is never interrupted, and the others must end with its losses and checksum.
 """
 
+import errno
 import importlib.util
 import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from tests.launch import ROOT, Run, _run, course_env, python
 from utils.model import ModelConfig, build_model
+from utils.notebook import kill_tree
 
 SMALL = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "--log-every", "1"]
 COMMON = [*SMALL, "--steps", "8", "--keep", "2"]
@@ -144,12 +150,77 @@ def test_todo1_checkpoint_holds_model_optimizer_rng_and_position(module):
     assert shared["losses"] == [5.5, 5.4], "TODO 1: save a copy of the losses (the run keeps appending to its list)"
 
 
-def test_todo2_publish_is_one_rename_and_a_replaced_pointer(module, tmp_path):
+def record_file_operations(monkeypatch) -> list:
+    """Log, in order, every rename/replace (source, destination, the source's inode and files) and every fsync
+    (the inode synced) made through the os module: the order of a publish, which its result alone cannot show."""
+    log, real = [], {"rename": os.rename, "replace": os.replace, "fsync": os.fsync}
+
+    def moving(kind):
+        def move(source, destination, *args, **kwargs):
+            source, destination = Path(source), Path(destination)
+            inside = sorted(p.name for p in source.iterdir()) if source.is_dir() else None
+            log.append((kind, source, destination, os.stat(source).st_ino, inside))
+            return real[kind](source, destination, *args, **kwargs)
+
+        return move
+
+    def fsync(descriptor):
+        log.append(("fsync", os.fstat(descriptor).st_ino))
+        return real["fsync"](descriptor)
+
+    monkeypatch.setattr(os, "rename", moving("rename"))
+    monkeypatch.setattr(os, "replace", moving("replace"))
+    monkeypatch.setattr(os, "fsync", fsync)
+    return log
+
+
+def synced_between(log, inode, start, end) -> bool:
+    return any(entry == ("fsync", inode) for entry in log[start:end])
+
+
+def check_publish_order(log, staging, final, pointer):
+    """TODO 2's order: META complete and fsync'ed in the staging folder, one rename, the folder fsync'ed, then the
+    pointer written to a temporary file, fsync'ed, renamed onto `latest`, and the folder fsync'ed again."""
+    folder = final.parent.stat().st_ino
+    moves = [i for i, entry in enumerate(log) if entry[0] != "fsync"]
+    published = [i for i in moves if log[i][1] == staging and log[i][2] == final]
+    assert len(published) == 1, (
+        f"TODO 2: publish with one os.rename(staging, final), found {[log[i][:3] for i in moves]}"
+    )
+    at = published[0]
+    assert "meta.json" in (log[at][4] or []), (
+        "TODO 2: META must be in the staging folder before the rename (written last, but before the publish); "
+        "renamed first, a crash in between leaves a published checkpoint without META"
+    )
+    meta_inode = (final / "meta.json").stat().st_ino
+    assert synced_between(log, meta_inode, 0, at), (
+        "TODO 2: fsync META before the rename (write_durably): else a power loss can publish an empty META"
+    )
+    onto_pointer = [i for i in moves if log[i][2] == pointer]
+    assert onto_pointer and log[onto_pointer[-1]][3] == pointer.stat().st_ino, (
+        "TODO 2: write the pointer to a temporary file and os.replace it onto 'latest'; written in place, a crash "
+        "mid-write leaves a pointer naming nothing"
+    )
+    replaced = onto_pointer[-1]
+    assert replaced > at, "TODO 2: point 'latest' at the new checkpoint only once it is published (after the rename)"
+    assert synced_between(log, folder, at + 1, replaced), (
+        "TODO 2: fsync the checkpoint folder after the rename (fsync_dir), before the pointer names the new folder: "
+        "else after a power loss 'latest' can name a folder whose rename never reached the disk"
+    )
+    assert synced_between(log, pointer.stat().st_ino, at, replaced), (
+        "TODO 2: fsync the pointer's temporary file before replacing 'latest' with it"
+    )
+    assert synced_between(log, folder, replaced + 1, len(log)), "TODO 2: fsync the folder after replacing 'latest'"
+
+
+def test_todo2_publish_is_one_rename_and_a_replaced_pointer(module, tmp_path, monkeypatch):
+    log = record_file_operations(monkeypatch)
     for step in (3, 6, 9):
         staging = tmp_path / f"tmp-step-{step:08d}"
         staging.mkdir()
         (staging / ".metadata").write_bytes(b"m" * 10)
         (staging / "__0_0.distcp").write_bytes(b"x" * (100 + step))
+        log.clear()
         final = call(2, module.publish, staging, {"step": step, "losses": [1.0] * step}, 2)
         assert final == tmp_path / f"step-{step:08d}" and final.is_dir(), f"TODO 2: publish into {final}"
         assert not staging.exists(), "TODO 2: rename the staging folder (os.rename), do not copy it"
@@ -160,8 +231,43 @@ def test_todo2_publish_is_one_rename_and_a_replaced_pointer(module, tmp_path):
         )
         pointer = (tmp_path / "latest").read_text().strip()
         assert pointer == final.name, f"TODO 2: the pointer file 'latest' should name {final.name}, not {pointer!r}"
+        check_publish_order(log, staging, final, tmp_path / "latest")
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["latest", "step-00000006", "step-00000009"], f"keep 2: {left} (and no temporary pointer left)"
+
+
+def test_pruning_keeps_the_checkpoint_just_published(module, tmp_path):
+    """A damaged newer folder (skipped at the resume) must not count among the newest --keep: with --keep 1 the
+    checkpoint just published survives, and the next resume finds it."""
+    parts = {".metadata": b"m" * 10, "__0_0.distcp": b"x" * 50}
+    write_checkpoint(tmp_path / "step-00000003", parts)
+    write_checkpoint(tmp_path / "step-00000009", parts)
+    (tmp_path / "step-00000009" / "meta.json").unlink()  # damaged: the run resumed from step 3 and went on
+    staging = tmp_path / "tmp-step-00000006"
+    staging.mkdir()
+    for name, data in parts.items():
+        (staging / name).write_bytes(data)
+    final = call(2, module.publish, staging, {"step": 6}, 1)
+    assert final.is_dir() and (tmp_path / "latest").read_text().strip() == final.name, (
+        f"--keep 1 deleted the checkpoint just published: {sorted(p.name for p in tmp_path.iterdir())}"
+    )
+    assert not (tmp_path / "step-00000003").exists(), "--keep 1: the older checkpoint goes"
+    assert module.find_latest(tmp_path) == final, "the next resume must find the checkpoint just published"
+
+
+def test_fsync_of_a_folder_refused_by_the_file_system_is_tolerated(module, tmp_path, monkeypatch):
+    def refuse(code):
+        def fsync(descriptor):
+            raise OSError(code, os.strerror(code))
+
+        return fsync
+
+    for code in (errno.EINVAL, errno.ENOTSUP):
+        monkeypatch.setattr(os, "fsync", refuse(code))
+        module.fsync_dir(tmp_path)  # some network and FUSE mounts refuse it: nothing more can be done there
+    monkeypatch.setattr(os, "fsync", refuse(errno.EIO))
+    with pytest.raises(OSError):
+        module.fsync_dir(tmp_path)  # a real I/O error is not hidden
 
 
 def test_todo3_newest_complete_checkpoint_skips_partial_and_damaged_ones(module, tmp_path, capsys):
@@ -312,6 +418,152 @@ def test_untouched_exercise_stops_at_a_todo(tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        (["--steps", "9"], "was saved by another run (steps 8, now 9)"),
+        (["--dim", "64"], "was saved by another run (dim 32, now 64)"),
+        (["--seed", "1", "--batch-size", "4"], "global_batch 8, now 4; seed 0, now 1"),
+    ],
+)
+def test_resume_of_another_run_is_refused_in_one_line(run, lesson, tmp_path, options, expected):
+    """The run's configuration is in every checkpoint: resuming with another schedule, batch, seed or model would
+    silently continue another run. One line names the difference, before any training step."""
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(run("reference")[1] / "checkpoints", checkpoints)
+    args = [*COMMON, "--batch-size", "8", "--checkpoint-dir", checkpoints, "--log-dir", tmp_path / "runs"]
+    result = python(lesson("08"), [*args, *options], timeout=120)
+    assert result.returncode != 0 and expected in result.output, result.tail()
+    assert "Traceback" not in result.output and "step    " not in result.output, result.tail()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "unwritable"])
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_in_one_line(lesson, tmp_path, where):
+    (tmp_path / "file").write_text("not a folder")
+    folder = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "checkpoints", "unwritable": None}[where]
+    if folder is None:
+        if os.geteuid() == 0:
+            folder = Path("/proc/checkpoints")  # root writes anywhere a permission bit would stop it
+        else:
+            (tmp_path / "locked").mkdir(mode=0o500)
+            folder = tmp_path / "locked" / "checkpoints"
+    result = python(lesson("08"), [*SMALL, "--steps", "2", "--checkpoint-dir", folder], timeout=60)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "--checkpoint-dir" in lines[0], result.tail()
+    assert str(folder) in lines[0], result.tail()
+
+
+# --------------------------------------------------------------------------------------------------
+# A stop request sent to torchrun itself: the ranks save and stop within torchrun's shutdown timeout
+# --------------------------------------------------------------------------------------------------
+
+HAS_SHUTDOWN_TIMEOUT = hasattr(
+    importlib.import_module("torch.distributed.launcher.api").LaunchConfig, "shutdown_timeout"
+)
+SIGNAL_RUNS = {  # name: (signal, torchrun's shutdown timeout in s, seconds the save takes)
+    # torchrun's timeout and the save scaled down 10x from the cluster's (30 s default; a save of a minute)
+    "usr1": (signal.SIGUSR1, 20, 4),
+    "term": (signal.SIGTERM, 20, 4),
+    "too_slow": (signal.SIGUSR1, 2, 6),  # the save outlasts the timeout: torchrun SIGKILLs the ranks mid-save
+}
+
+
+def signalled_torchrun(script, args, *, signum, shutdown_timeout, after="step     2", timeout=240):
+    """torchrun (forwarding SIGUSR1 too, as the sbatch files ask), sent `signum` once `after` is printed."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", str(script), *map(str, args),
+    ]  # fmt: skip
+    env = course_env(COURSE_NO_PROGRESS=1, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(shutdown_timeout))
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, seen = [], threading.Event()
+
+    def read():
+        for line in process.stdout:
+            lines.append(line)
+            if after in line:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(timeout), "the training never reached step 2:\n" + "".join(lines[-30:])
+        os.kill(process.pid, signum)
+        process.wait(timeout)
+    except (AssertionError, subprocess.TimeoutExpired):
+        kill_tree(process.pid)
+        raise
+    reader.join(10)
+    return Run(command, process.returncode, "".join(lines), None)
+
+
+@pytest.fixture(scope="module")
+def signalled(lesson, tmp_path_factory):
+    tmp, done = tmp_path_factory.mktemp("lesson08-signals"), {}
+
+    def launch(name):
+        if name not in done:
+            signum, shutdown_timeout, save_s = SIGNAL_RUNS[name]
+            folder = tmp / name
+            args = [*COMMON, *TWO, "--checkpoint-every", "100", "--checkpoint-dir", folder / "checkpoints",
+                    "--log-dir", folder / "runs", "--slow-steps", "1", "--slow-save", save_s]  # fmt: skip
+            result = signalled_torchrun(lesson("08"), args, signum=signum, shutdown_timeout=shutdown_timeout)
+            done[name] = result, folder
+        return done[name]
+
+    return launch
+
+
+@pytest.mark.skipif(not HAS_SHUTDOWN_TIMEOUT, reason="this torchrun has no shutdown timeout to configure")
+@pytest.mark.parametrize("name", ["usr1", "term"])
+def test_signal_to_torchrun_saves_and_the_resume_is_bit_identical(signalled, run, lesson, name):
+    """SIGUSR1 (a time limit near) or SIGTERM (preemption) to torchrun: it passes the signal to the ranks, which
+    finish their step, save (slowly: 4 s), publish and stop within its shutdown timeout; the run started again
+    resumes there and ends with the uninterrupted run's losses."""
+    result, folder = signalled(name)
+    stopped = re.search(r"STOPPED at step (\d+)", result.output)
+    signame = SIGNAL_RUNS[name][0].name
+    assert stopped and f"stop requested ({signame})" in result.output, (
+        f"the ranks did not save and stop on {signame} sent to torchrun:\n{result.tail()}"
+    )
+    step = int(stopped.group(1))
+    assert (folder / "checkpoints" / "latest").read_text().strip() == f"step-{step:08d}", result.tail()
+    reference = finished(run("reference")[0], "the reference run")
+    args = [*COMMON, *TWO, "--checkpoint-every", "3", "--checkpoint-dir", folder / "checkpoints",
+            "--log-dir", folder / "runs"]  # fmt: skip
+    resumed = finished(torchrun(lesson("08"), 2, args, folder=folder), "the resumed run")
+    assert resumed["resumed_from"] == step, resumed
+    assert_bit_identical(resumed, reference, f"stopped by {signame} at step {step} and resumed")
+
+
+@pytest.mark.skipif(not HAS_SHUTDOWN_TIMEOUT, reason="this torchrun has no shutdown timeout to configure")
+def test_a_save_longer_than_the_shutdown_timeout_is_killed_and_publishes_nothing(signalled):
+    """What happens on a cluster with torchrun's default 30 s and a save of a minute, scaled down: the ranks are
+    SIGKILLed mid-save, no checkpoint of the stop is published, and no half-written one is ever taken for one."""
+    result, folder = signalled("too_slow")
+    assert "stop requested (SIGUSR1)" in result.output, result.tail()
+    assert "STOPPED" not in result.output and result.returncode != 0, result.tail()
+    checkpoints = folder / "checkpoints"
+    assert not list(checkpoints.glob("step-*")) and not (checkpoints / "latest").exists(), (
+        f"nothing may be published by a save killed midway: {sorted(p.name for p in checkpoints.iterdir())}"
+    )
+
+
+def test_sbatch_files_give_the_save_the_signal_lead_time():
+    """torchrun's shutdown timeout must exceed its 30 s default and fit in the --signal lead time; both signals
+    are trapped, and the trap works before the training starts (set -u)."""
+    for sbatch in sorted((ROOT / "slurm").glob("08_fault_tolerance*.sbatch")):
+        text = sbatch.read_text()
+        lead = int(re.search(r"#SBATCH --signal=B:USR1@(\d+)", text).group(1))
+        timeout = int(
+            re.search(r'TORCH_ELASTIC_SHUTDOWN_TIMEOUT="\$\{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-(\d+)\}"', text)[1]
+        )
+        assert 30 < timeout < lead, f"{sbatch.name}: shutdown timeout {timeout} s, --signal lead {lead} s"
+        assert "trap 'on_stop USR1' USR1" in text and "trap 'on_stop TERM' TERM" in text, sbatch.name
+        assert text.index('training=""') < text.index("\ntrap "), f"{sbatch.name}: set $training before the trap"
+        assert "SIGUSR1" in re.search(r"--signals-to-handle=(\S+)", text).group(1), sbatch.name
+
+
 # --------------------------------------------------------------------------------------------------
 # Slurm: a preemption warning, a requeue, a resume (on the local cluster in CI; skipped without Slurm)
 # --------------------------------------------------------------------------------------------------
@@ -338,7 +590,7 @@ def test_slurm_requeue_on_preemption_signal_resumes_and_completes(target):
     metrics_path = workdir / "metrics.json"
     args = [target, *SMALL, "--log-every", "5", "--steps", "40", "--checkpoint-every", "20", *TWO]
     job = submit(ROOT / "slurm" / "08_fault_tolerance.sbatch", [*args, "--metrics-out", metrics_path],
-                 env={"NPROC_PER_NODE": 2})  # fmt: skip
+                 env={"NPROC_PER_NODE": 2, "CHECKPOINT_DIR": workdir / "checkpoints"})  # fmt: skip
     passed = False
     try:
         deadline = time.monotonic() + 180
@@ -386,4 +638,3 @@ def test_slurm_requeue_on_preemption_signal_resumes_and_completes(target):
             shutil.move(job.output_file, workdir / job.output_file.name)
         if passed:  # else keep the job's output and checkpoints for the post-mortem
             shutil.rmtree(workdir, ignore_errors=True)
-            shutil.rmtree(ROOT / "checkpoints" / f"08_fault_tolerance-{job.job_id}", ignore_errors=True)
