@@ -21,7 +21,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 UNSTABLE = {
     "an absolute path (the clone's location)": re.compile(r"(?<![\w.])/(?:work|home|tmp|root|Users|scratch|private)/"),
     "a serialized file's size in bytes (it changes with the torch release)": re.compile(
-        r"\.(?:metadata|distcp|pt|pth|bin|safetensors|pkl)\b[^\n]*?\b\d[\d,]*\s*(?:bytes|B)\b"
+        r"\.(?:metadata|distcp|pt|pth|bin|safetensors|pkl)[:\s]+\d[\d,]*\s*(?:bytes|B)\b"  # a listing: name, size
     ),
     "today's date": re.compile(r"\b20\d\d-\d\d-\d\d[ T]\d\d:\d\d"),  # a timestamp of this run
 }
