@@ -380,6 +380,13 @@ def test_todo6_scratch_schedules_match_lesson_00(run, baseline, needs, name):
     assert metrics["param_checksum"] == pytest.approx(reference["param_checksum"], rel=1e-9), "TODO 6: checksum"
 
 
+def test_todo7_builtin_on_one_process_gives_the_whole_batch_gradient(lesson):
+    """Each built-in schedule in a world of one process, stages cut by hand (not TODO 1), against the model."""
+    result = python(ROOT / "tests" / "workers" / "pipeline_builtin_check.py", [lesson("05")], timeout=240)
+    lines = [line for line in result.output.splitlines() if line.startswith("TODO 7:")]
+    assert result.returncode == 0, lines[0] if lines else f"TODO 7: the check failed:\n{result.tail()}"
+
+
 @pytest.mark.parametrize("name", BUILTIN)
 def test_todo7_builtin_schedules_match_lesson_00(run, baseline, needs, name):
     needs(1)
