@@ -166,7 +166,13 @@ def check_todo4(script):
                 for rank, (steps, plan) in enumerate(zip(step_lists, plans)):
                     assert len(plan) == len(steps) + 1, f"TODO 4: one batch per step plus one: {plan}"
                     for index, batch in enumerate(plan):
-                        for op, _, what, mb in batch:
+                        for op, peer, what, mb in batch:
+                            forward = (what == "activation") == (op == "send")  # activations go r -> r + 1
+                            assert peer == (rank + 1 if forward else rank - 1), (
+                                f"TODO 4: rank {rank} {'sends' if op == 'send' else 'receives'} {what} {mb} "
+                                f"{'to' if op == 'send' else 'from'} rank {peer}: activations go forward (r to "
+                                "r + 1), gradients backward (r + 1 to r)"
+                            )
                             produced = ("F" if what == "activation" else "B", mb)
                             needed = op == "send" and (index == 0 or steps[index - 1] != produced)
                             assert not needed, (
@@ -220,7 +226,7 @@ def check_todo5(script):
         whole = float(loss_fn(model(tokens[mb]), targets[mb]).detach())
         assert loss.dim() == 0 and float(loss.detach()) == pytest.approx(whole / M, rel=1e-5), (
             f"TODO 5: the last stage returns the micro-batch's loss divided by the number of micro-batches: got "
-            f"{float(loss):.5f}, micro-batch loss {whole:.5f} / {M} = {whole / M:.5f}"
+            f"{float(loss.detach()):.5f}, micro-batch loss {whole:.5f} / {M} = {whole / M:.5f}"
         )
 
 
