@@ -41,6 +41,7 @@ RUNS = {  # name: (processes, arguments); every one trains on the same batches o
 }
 SCRATCH = ["gpipe2", "1f1b2", "1f1b4"]
 BUILTIN = ["builtin_gpipe2", "builtin_interleaved2", "builtin_1f1b4"]
+ENV = course_env(PYTHONPATH=ROOT)  # `import utils` also for a script in another folder (--target-dir)
 SCRATCH_NEEDS = {"gpipe2": (1, 2, 4, 5, 6), "1f1b2": (1, 3, 4, 5, 6), "1f1b4": (1, 3, 4, 5, 6)}
 
 
@@ -74,7 +75,7 @@ def run(lesson, tmp_path_factory):
             folder = tmp / name
             folder.mkdir()
             args = [*COMMON, *extra, "--log-dir", folder / "runs", "--checkpoint", folder / "model.pt"]
-            done[name] = torchrun(lesson("05"), nproc, args, tmp_path=folder), folder
+            done[name] = torchrun(lesson("05"), nproc, args, tmp_path=folder, env=ENV), folder
         return done[name]
 
     return launch
@@ -359,10 +360,11 @@ def test_docstring_examples_are_accepted(script, needs):
 
 def test_bad_options_end_with_one_line(lesson, tmp_path, needs):
     needs(1)
-    result = torchrun(lesson("05"), 2, [*COMMON, "--n-layers", "1", "--log-dir", tmp_path / "runs"], timeout=90)
+    args = [*COMMON, "--n-layers", "1", "--log-dir", tmp_path / "runs"]
+    result = torchrun(lesson("05"), 2, args, timeout=90, env=ENV)
     errors = [line for line in result.output.splitlines() if "ERROR:" in line]
     assert result.returncode != 0 and errors and "--n-layers 2 or more" in errors[0], result.tail()
-    refused = python(lesson("05"), [*COMMON, "--autocast", "bf16"], timeout=60)
+    refused = python(lesson("05"), [*COMMON, "--autocast", "bf16"], timeout=60, env=ENV)
     assert refused.returncode == 2 and "unrecognized arguments: --autocast bf16" in refused.output, refused.tail()
 
 
@@ -462,7 +464,7 @@ def test_rank0_prints_once_and_finishes(run, needs):
 def test_a_rank_dying_mid_schedule_ends_the_job(lesson, tmp_path, needs):
     needs(1, 3, 4, 5, 6)
     args = [*COMMON, "--schedule", "1f1b", "--crash-at-step", "2", "--log-dir", tmp_path / "runs"]
-    result = torchrun(lesson("05"), 2, args, timeout=120, env=course_env(COURSE_TIMEOUT_S=20))
+    result = torchrun(lesson("05"), 2, args, timeout=120, env=course_env(COURSE_TIMEOUT_S=20, PYTHONPATH=ROOT))
     assert result.returncode != 0, result.tail()
     assert "crashing on purpose" in result.output, result.tail()
     assert "FINISHED" not in result.output
@@ -473,7 +475,7 @@ def test_untouched_exercise_stops_at_todo1(tmp_path):
     exercise = tmp_path / "exercises" / solution.name
     exercise.parent.mkdir()
     exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
-    result = python(exercise, [*COMMON, "--log-dir", tmp_path / "runs"], env=course_env(PYTHONPATH=ROOT), timeout=90)
+    result = python(exercise, [*COMMON, "--log-dir", tmp_path / "runs"], env=ENV, timeout=90)
     assert result.returncode != 0 and "ERROR: TODO 1: balanced partition is not done yet" in result.output, (
         result.tail()
     )
