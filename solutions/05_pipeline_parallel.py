@@ -237,10 +237,11 @@ def forward_step(stage: Stage, x: torch.Tensor, target: torch.Tensor | None, n_m
     from the previous stage; target: the micro-batch's targets on the last stage, else None.
     Returns (the stage's input, kept for the backward; its output: the activation to send, or on the last stage
     the micro-batch's loss)."""
-    # TODO 5: one micro-batch's forward. On every stage but the first, make the received activation x a leaf that
-    #   requires grad (x.requires_grad_()): its gradient is what the backward sends to the previous stage. Run the
-    #   stage; on the last stage return loss_fn(output, target) / n_microbatches, the micro-batch's share of the
-    #   batch's mean loss, so that the gradients added up over the micro-batches are those of the whole batch.
+    # TODO 5: one micro-batch's forward. On every stage but the first (stage.first is False), make the received
+    #   activation x a leaf that requires grad (x.requires_grad_()): its gradient is what the backward sends to the
+    #   previous stage. Run the stage and return (x, output); on the last stage (stage.last) the output is
+    #   loss_fn(stage's output, target) / n_microbatches, the micro-batch's share of the batch's mean loss, so that
+    #   the gradients added up over the micro-batches are those of the whole batch.
     # BEGIN SOLUTION
     if not stage.first:
         x.requires_grad_()
