@@ -5,18 +5,19 @@ head and the loss on the last). Each batch is split into --microbatches micro-ba
 from rank to rank and their gradients backward. A schedule says in which order each rank runs its forwards (F) and
 backwards (B): GPipe (all F, then all B) or 1F1B (a few F, then one F one B, then the remaining B). Gradients add
 up over the micro-batches and the optimizer steps once per batch, so p stages with m micro-batches train exactly
-like one process on the whole batch. The number of stages is the world size.
+like one process on the whole batch (lesson 00). The number of stages is the world size (twice it, interleaved).
 
     torchrun --nproc_per_node=4 solutions/05_pipeline_parallel.py --n-layers 4 --schedule 1f1b --microbatches 8
-    torchrun --nproc_per_node=2 solutions/05_pipeline_parallel.py --pp-impl builtin --schedule interleaved
+    torchrun --nproc_per_node=2 solutions/05_pipeline_parallel.py --pp-impl builtin --schedule interleaved --n-layers 4
     sbatch slurm/05_pipeline_parallel_2nodes.sbatch solutions --n-layers 8     # 8 stages on 2 nodes x 4 GPUs
 """
 
 import argparse
-import json
 import os
 import sys
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import SavedActivations, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
+from utils.pipeline_timing import bubble_sweep, measured_bubble, now, record_builtin_timings
 from utils.training import (
     Logger,
     Throughput,
@@ -80,6 +82,7 @@ class Stage(nn.Module):
 
     def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool):
         super().__init__()
+        self.first, self.last = first, last
         self.token_embedding = model.token_embedding if first else None
         self.position_embedding = model.position_embedding if first else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
@@ -88,18 +91,18 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: tokens [mb, T] -> activations; others: activations [mb, T, dim]; the last returns logits."""
-        if self.token_embedding is not None:
+        if self.first:
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.token_embedding(x) + self.position_embedding(positions)
         for block in self.blocks.values():
             x = block(x)
-        if self.head is not None:
+        if self.last:
             x = self.head(self.norm(x))
         return x
 
 
 def build_stage(model: nn.Module, stage_index: int, n_stages: int) -> Stage:
-    """Stage `stage_index` of `n_stages`, sharing its modules with `model` (built from the seed on every rank)."""
+    """Stage `stage_index` of `n_stages`, sharing its modules with `model` (built from the seed on the CPU)."""
     start, end = partition(len(model.blocks), n_stages)[stage_index]
     return Stage(model, range(start, end), first=stage_index == 0, last=stage_index == n_stages - 1)
 
@@ -167,7 +170,7 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, forward=Fraction
 
 
 def predicted_bubble(n_stages: int, n_microbatches: int, virtual_stages: int = 1) -> float:
-    """The bubble formula: (p - 1) / (v m + p - 1), v = stages per rank (1 for GPipe and 1F1B)."""
+    """The bubble as a fraction of the step: (p - 1) / (v m + p - 1), v = stages per rank (1 for GPipe and 1F1B)."""
     return (n_stages - 1) / (virtual_stages * n_microbatches + n_stages - 1)
 
 
@@ -181,7 +184,7 @@ def in_flight(steps: list[tuple[str, int]]) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# The engine: runs one rank's step list, with point-to-point communication between neighbours
+# Communication: which tensors each rank sends and receives before each step
 # --------------------------------------------------------------------------------------------------
 
 
@@ -191,8 +194,7 @@ def p2p_plan(steps: list[tuple[str, int]], rank: int, n_stages: int) -> list[lis
     Batch i holds the sends of step i - 1's result and the receive step i needs; the engine posts a batch with
     one batch_isend_irecv and waits for it. Posting a send together with the next receive is what keeps
     neighbours from waiting for each other (rank r sending an activation to r + 1 while r + 1 sends a gradient
-    to r): with NCCL a send can block until its receive is posted. tests/test_05 checks every plan against
-    that strictest rule for many (p, m).
+    to r): with NCCL a send can block until its receive is posted. `naive_p2p_plan` shows the deadlock.
     """
     previous = rank - 1 if rank > 0 else None
     following = rank + 1 if rank < n_stages - 1 else None
@@ -214,71 +216,102 @@ def p2p_plan(steps: list[tuple[str, int]], rank: int, n_stages: int) -> list[lis
     return batches
 
 
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # kernels run asynchronously: time what the GPU did, not what was queued
-    return time.perf_counter()
+def naive_p2p_plan(steps: list[tuple[str, int]], rank: int, n_stages: int) -> list[list[tuple[str, int, str, int]]]:
+    """The plan as one first writes it, one blocking operation at a time: receive, compute, send.
+
+    Under 1F1B, rank r sends activation i + 1 (waiting for r + 1 to receive it) while r + 1 sends gradient i
+    (waiting for r to receive it): both wait forever. utils.pipeline_timing.rendezvous_completes shows it."""
+    batches = []
+    for batch in p2p_plan(steps, rank, n_stages):  # the same operations, each in a batch of its own, sends first
+        batches += [[operation] for operation in sorted(batch, key=lambda operation: operation[0] != "send")]
+    return batches
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine: one micro-batch's forward and backward on a stage, and the loop that runs a step list
+# --------------------------------------------------------------------------------------------------
+
+
+def forward_step(stage: Stage, x: torch.Tensor, target: torch.Tensor | None, n_microbatches: int):
+    """One micro-batch's forward on this stage. x: the tokens on the first stage, else the activation received
+    from the previous stage; target: the micro-batch's targets on the last stage, else None.
+    Returns (the stage's input, kept for the backward; its output: the activation to send, or on the last stage
+    the micro-batch's loss)."""
+    # TODO 5: one micro-batch's forward. On every stage but the first (stage.first is False), make the received
+    #   activation x a leaf that requires grad (x.requires_grad_()): its gradient is what the backward sends to the
+    #   previous stage. Run the stage and return (x, output); on the last stage (stage.last) the output is
+    #   loss_fn(stage's output, target) / n_microbatches, the micro-batch's share of the batch's mean loss, so that
+    #   the gradients added up over the micro-batches are those of the whole batch.
+    # BEGIN SOLUTION
+    if not stage.first:
+        x.requires_grad_()
+    output = stage(x)
+    if stage.last:
+        output = loss_fn(output, target) / n_microbatches
+    return x, output
+    # END SOLUTION
+
+
+def backward_step(stage_input: torch.Tensor, output: torch.Tensor, output_gradient: torch.Tensor | None):
+    """One micro-batch's backward on this stage, from what its forward returned. output_gradient: the gradient
+    received from the next stage (None on the last stage, whose output is the loss). Returns the gradient of the
+    stage's input, to send to the previous stage (None on the first stage, whose input is tokens)."""
+    # TODO 6: one micro-batch's backward. Backpropagate from the output with the gradient the next stage sent
+    #   (torch.autograd.backward(tensors, grad_tensors)): it adds into the stage's parameters' .grad, so the
+    #   micro-batches' gradients add up. Then return the input's gradient.
+    # BEGIN SOLUTION
+    torch.autograd.backward(output, output_gradient)
+    return stage_input.grad
+    # END SOLUTION
+
+
+def exchange(batch, buffers: dict, shape, device: torch.device):
+    """Post one batch of the plan with a single batch_isend_irecv and wait for all of it. A receive allocates its
+    buffer (shapes are known in advance) under buffers[(what, mb)]; a send takes its tensor from there."""
+    ops = []
+    for op, peer, what, mb in batch:
+        if op == "recv":
+            buffers[(what, mb)] = torch.empty(shape, device=device)
+            ops.append(dist.P2POp(dist.irecv, buffers[(what, mb)], peer))
+        else:
+            ops.append(dist.P2POp(dist.isend, buffers.pop((what, mb)), peer))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
 
 
 def run_steps(stage, steps, *, rank, n_stages, inputs, targets, activation_shape, device, saved=None, crash=False):
     """Run one batch's step list on this rank. `inputs` (first stage) and `targets` (last stage) are lists of
     micro-batches. Returns (losses of the micro-batches on the last stage, timeline [(kind, mb, start, end, stage)],
-    bytes one micro-batch's forward leaves saved for backward)."""
-    n_microbatches = len(inputs) if inputs is not None else len(targets) if targets is not None else None
-    n_microbatches = n_microbatches or len({mb for _, mb in steps})
-    last = rank == n_stages - 1
-    stage_inputs, stage_outputs, losses, timeline = {}, {}, [], []
-    buffers: dict[tuple[str, int], torch.Tensor] = {}  # received and sent tensors, alive until their batch is done
-    microbatch_bytes = None
+    bytes one micro-batch's forward leaves saved for backward, measured when `saved` is given)."""
+    n_microbatches = len(steps) // 2
+    kept: dict[int, tuple] = {}  # micro-batch -> (stage input, output), from its forward to its backward
+    buffers: dict[tuple[str, int], torch.Tensor] = {}  # received tensors and tensors to send
+    losses, timeline, microbatch_bytes = [], [], None
+    plan = p2p_plan(steps, rank, n_stages)
     t0 = time.perf_counter()
-    for i, batch in enumerate(p2p_plan(steps, rank, n_stages)):
-        ops = []
-        for op, peer, what, mb in batch:
-            if op == "recv":
-                buffers[(what, mb)] = torch.empty(activation_shape, device=device)
-                ops.append(dist.P2POp(dist.irecv, buffers[(what, mb)], peer))
-            else:
-                ops.append(dist.P2POp(dist.isend, buffers.pop((what, mb)), peer))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        if i == len(steps):
-            break
-        kind, mb = steps[i]
+    for i, (kind, mb) in enumerate(steps):
+        exchange(plan[i], buffers, activation_shape, device)
         if crash and kind == "B":  # --crash-at-step: this rank dies in the middle of the schedule
             print(f"[rank {rank}] crashing on purpose before B{mb} (--crash-at-step)", file=sys.stderr, flush=True)
             os._exit(3)
-        start = _now(device)
-        # TODO 5: run one step. F: the stage input is inputs[mb] on the first stage, else the received activation
-        #   buffers.pop(("activation", mb)) made a leaf that requires grad; keep the input and the output (on the last
-        #   stage: loss_fn(logits, targets[mb]) / n_microbatches, a micro-batch's share of the batch's mean loss) for
-        #   the backward, and leave the output, detached, in buffers[("activation", mb)] for the send. B: backward from
-        #   the kept output with the received gradient buffers.pop(("gradient", mb)) (none on the last stage: it is
-        #   the loss), then leave the input's gradient in buffers[("gradient", mb)] (not on the first stage).
-        # BEGIN SOLUTION
+        start = now(device)
         if kind == "F":
             before = saved.current_bytes if saved is not None else 0
-            if rank == 0:
-                x = inputs[mb]
+            x = inputs[mb] if stage.first else buffers.pop(("activation", mb))
+            kept[mb] = forward_step(stage, x, targets[mb] if stage.last else None, n_microbatches)
+            output = kept[mb][1].detach()
+            if stage.last:
+                losses.append(output)
             else:
-                x = buffers.pop(("activation", mb)).requires_grad_()
-            y = stage(x)
-            if last:
-                y = loss_fn(y, targets[mb]) / n_microbatches
-                losses.append(y.detach())
-            else:
-                buffers[("activation", mb)] = y.detach()
-            stage_inputs[mb], stage_outputs[mb] = x, y
+                buffers[("activation", mb)] = output
             if saved is not None and microbatch_bytes is None:
                 microbatch_bytes = saved.current_bytes - before
         else:
-            x, y = stage_inputs.pop(mb), stage_outputs.pop(mb)
-            gradient = None if last else buffers.pop(("gradient", mb))
-            torch.autograd.backward(y, gradient)
-            if rank > 0:
-                buffers[("gradient", mb)] = x.grad
-        # END SOLUTION
-        timeline.append((kind, mb, start - t0, _now(device) - t0, rank))
+            gradient = backward_step(*kept.pop(mb), None if stage.last else buffers.pop(("gradient", mb)))
+            if not stage.first:
+                buffers[("gradient", mb)] = gradient
+        timeline.append((kind, mb, start - t0, now(device) - t0, rank))
+    exchange(plan[-1], buffers, activation_shape, device)  # the last step's send
     return losses, timeline, microbatch_bytes
 
 
@@ -296,7 +329,7 @@ def build_builtin_schedule(stage_modules, stage_indices, n_stages, pp_group, dev
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    # TODO 6: the built-in pipeline. Wrap each stage module: PipelineStage(module, stage_index, n_stages, device,
+    # TODO 7: the built-in pipeline. Wrap each stage module: PipelineStage(module, stage_index, n_stages, device,
     #   group=pp_group). GPipe and 1F1B take the one stage (ScheduleGPipe / Schedule1F1B(stage, n_microbatches,
     #   loss_fn=loss)); the interleaved schedule takes this rank's list of stages (ScheduleInterleaved1F1B).
     # BEGIN SOLUTION
@@ -304,51 +337,25 @@ def build_builtin_schedule(stage_modules, stage_indices, n_stages, pp_group, dev
         PipelineStage(module, index, n_stages, device, group=pp_group)
         for module, index in zip(stage_modules, stage_indices)
     ]
-    try:
-        if schedule == "interleaved":
-            return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss)
-        (stage,) = stages
-        return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, n_microbatches, loss_fn=loss)
-    except ValueError as error:  # e.g. 1F1B with fewer micro-batches than stages
-        raise CourseError(f"torch.distributed.pipelining refuses --schedule {schedule}: {error}") from None
+    built_in = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[schedule]
+    return built_in(stages if schedule == "interleaved" else stages[0], n_microbatches, loss_fn=loss)
     # END SOLUTION
 
 
-def record_builtin_timings(schedule, timeline: list, origin: list, device: torch.device) -> bool:
-    """Make the built-in schedule's stages append (kind, mb, start, end, stage) to `timeline` for every F and B,
-    times from origin[0]. It wraps PipelineStage.forward_one_chunk and backward_one_chunk, which are not public
-    API: where they are missing (another torch), nothing is recorded and this returns False."""
-    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
-    if not all(hasattr(stage, "forward_one_chunk") and hasattr(stage, "backward_one_chunk") for stage in stages):
-        return False
-
-    def timed(run, kind, stage_index):
-        def run_and_record(chunk, *args, **kwargs):
-            start = _now(device)
-            result = run(chunk, *args, **kwargs)
-            timeline.append((kind, chunk, start - origin[0], _now(device) - origin[0], stage_index))
-            return result
-
-        return run_and_record
-
-    for stage in stages:
-        stage.forward_one_chunk = timed(stage.forward_one_chunk, "F", stage.stage_index)
-        stage.backward_one_chunk = timed(stage.backward_one_chunk, "B", stage.stage_index)
-    return True
-
-
 # --------------------------------------------------------------------------------------------------
-# Training
+# Training: build this rank's part of the pipeline, run its steps, summarise
 # --------------------------------------------------------------------------------------------------
 
 
 def check_layout(args, world_size: int):
     """Refuse what cannot run, with one line each, before any process waits for another."""
-    if args.batch_size % args.microbatches:
+    if args.batch_size % args.microbatches and not getattr(args, "bubble_sweep", None):
         raise CourseError(
             f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal "
             f"micro-batches; use a --batch-size that is a multiple of {args.microbatches}"
         )
+    if getattr(args, "bubble_sweep", None) and args.pp_impl != "scratch":
+        raise CourseError("--bubble-sweep measures the from-scratch schedules; leave out --pp-impl builtin")
     if args.schedule == "interleaved":
         if args.pp_impl == "scratch":
             raise CourseError("--schedule interleaved is built-in only here; add --pp-impl builtin")
@@ -365,19 +372,142 @@ def check_layout(args, world_size: int):
         )
 
 
-def full_parameters(stage_modules, names: list[str]) -> tuple[float, dict | None]:
-    """(checksum, full state dict on rank 0 or None): gathered from every stage, in the full model's order.
+@dataclass
+class Pipeline:
+    """What one rank runs: its stage module(s) and its schedule, from scratch (a step list) or built-in."""
+
+    modules: list[Stage]  # this rank's stages: one, or two with the interleaved schedule
+    indices: list[int]  # their stage numbers: rank r holds stages r (and r + p, interleaved)
+    n_stages: int
+    schedule: str
+    n_microbatches: int
+    activation_shape: tuple[int, int, int]  # what travels between stages: [micro-batch, seq_len, dim]
+    steps: list | None = None  # from scratch: this rank's step list
+    builtin: object = None  # built-in: the torch.distributed.pipelining schedule
+    timeline: list | None = None  # built-in: filled by the timing hooks during a step
+    origin: list | None = None  # built-in: the step's start time, which the timing hooks read
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.indices
+
+    @property
+    def last(self) -> bool:
+        return self.n_stages - 1 in self.indices
+
+
+def build_pipeline(args, rank: int, world_size: int, device: torch.device, schedule: str, n_microbatches: int):
+    """This rank's stage(s), on the device, and the schedule that runs them. Returns (pipeline, parameter names of
+    the full model in its order)."""
+    model = build_model(model_config(args), seed=args.seed)  # on the CPU: every rank builds the same weights...
+    names = [name for name, _ in model.named_parameters()]
+    virtual = VIRTUAL_STAGES if schedule == "interleaved" else 1
+    n_stages = virtual * world_size
+    indices = [rank + v * world_size for v in range(virtual)]  # interleaved: stages r and r + p on rank r
+    modules = [build_stage(model, index, n_stages).to(device) for index in indices]  # ...the device gets its stage
+    del model  # what this rank's stages do not hold is freed
+    held = {r: [i for i in range(n_stages) if i % world_size == r] for r in range(world_size)}
+    print0(f"stages per rank {held}, blocks per stage {partition(args.n_layers, n_stages)}")
+    shape = (args.batch_size // n_microbatches, args.seq_len, args.dim)
+    pipeline = Pipeline(modules, indices, n_stages, schedule, n_microbatches, shape)
+    if args.pp_impl == "scratch":
+        pipeline.steps = SCRATCH_SCHEDULES[schedule](world_size, n_microbatches, rank)
+        return pipeline, names
+    try:
+        pipeline.builtin = build_builtin_schedule(
+            modules, indices, n_stages, dist.group.WORLD, device, schedule, n_microbatches, loss_fn
+        )
+    except ValueError as error:  # e.g. 1F1B with fewer micro-batches than stages
+        raise CourseError(f"torch.distributed.pipelining refuses --schedule {schedule}: {error}") from None
+    pipeline.timeline, pipeline.origin = [], [0.0]
+    if not record_builtin_timings(pipeline.builtin, pipeline.timeline, pipeline.origin, device):
+        pipeline.timeline = None
+    return pipeline, names
+
+
+def train_step(pipeline: Pipeline, inputs, targets, *, rank, world_size, device, saved=None, crash=False):
+    """One batch through the pipeline (forward and backward, no optimizer step). Returns (the batch's mean loss
+    on the last stage, else 0; this rank's timeline or None; one micro-batch's saved bytes or None)."""
+    m = pipeline.n_microbatches
+    if pipeline.builtin is not None:
+        losses = []
+        if pipeline.timeline is not None:
+            pipeline.timeline.clear()
+        pipeline.origin[0] = time.perf_counter()
+        pipeline.builtin.step(
+            *((inputs,) if pipeline.first else ()), **({"target": targets, "losses": losses} if pipeline.last else {})
+        )
+        loss = torch.stack(losses).mean() if pipeline.last else torch.zeros((), device=device)
+        timeline = sorted(pipeline.timeline, key=lambda entry: entry[2]) if pipeline.timeline is not None else None
+        return loss, timeline, None
+    # Each micro-batch its own copy: micro-batches must not share storage (saved-bytes accounting).
+    micro_inputs = [chunk.clone() for chunk in inputs.chunk(m)] if pipeline.first else None
+    micro_targets = [chunk.clone() for chunk in targets.chunk(m)] if pipeline.last else None
+    losses, timeline, microbatch_bytes = run_steps(
+        pipeline.modules[0], pipeline.steps, rank=rank, n_stages=world_size, inputs=micro_inputs,
+        targets=micro_targets, activation_shape=pipeline.activation_shape, device=device, saved=saved, crash=crash,
+    )  # fmt: skip
+    loss = torch.stack(losses).sum() if pipeline.last else torch.zeros((), device=device)
+    return loss, timeline, microbatch_bytes
+
+
+def full_parameters(stage_modules, names: list[str]) -> tuple[float, dict]:
+    """(checksum, full state dict): gathered from every stage, in the full model's order.
 
     The checksum adds each parameter's sum of squares (float64) in the full model's order, so it is bit for bit
-    utils.metrics.param_checksum of the same parameters in one process."""
+    utils.metrics.param_checksum of the same parameters in one process. The stages together must hold exactly
+    the model's parameters, each once: asserted."""
     local = {name: p.detach().cpu() for module in stage_modules for name, p in module.named_parameters()}
     everything: list = [None] * dist.get_world_size()
     dist.all_gather_object(everything, local)
+    held = [name for part in everything for name in part]
+    assert sorted(held) == sorted(names), f"the stages do not hold each of the model's parameters once: {held[:4]}"
     merged = {name: tensor for part in everything for name, tensor in part.items()}
-    missing = set(names) ^ set(merged)
-    assert not missing, f"the stages do not hold exactly the model's parameters: {sorted(missing)[:4]}"
     checksum = sum(float(merged[name].double().pow(2).sum()) for name in names)
     return checksum, {name: merged[name] for name in names}
+
+
+def summarise(pipeline: Pipeline, world_size: int, losses, timelines, peak, microbatch_bytes) -> dict:
+    """The pipeline's metrics from every rank's records (a collective: every rank calls it)."""
+    record = {"timelines": timelines, "peak": peak, "microbatch_bytes": microbatch_bytes}
+    record["in_flight"] = in_flight(pipeline.steps) if pipeline.steps is not None else None
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, record)
+    per_step = [measured_bubble([r["timelines"][s] for r in everyone]) for s in range(len(timelines))]
+    measured = [] if None in per_step else per_step  # [] when the timings were not recorded
+    later = measured[1:] or measured  # the first step pays for one-off start-up work and counts activation bytes
+    scratch = pipeline.steps is not None
+    virtual = len(pipeline.indices)
+    return dict(
+        final_loss=losses[-1],
+        losses=losses,
+        steps=len(losses),
+        schedule=pipeline.schedule,
+        microbatches=pipeline.n_microbatches,
+        stages=pipeline.n_stages,
+        stages_per_rank=virtual,
+        bubble_predicted=predicted_bubble(world_size, pipeline.n_microbatches, virtual),
+        bubble_from_steps=float(simulate(pipeline.schedule, world_size, pipeline.n_microbatches)[1])
+        if scratch
+        else None,
+        bubble_measured=sum(later) / len(later) if later else None,
+        bubble_measured_min=min(later) if later else None,
+        bubble_measured_max=max(later) if later else None,
+        bubble_measured_per_step=measured,
+        timeline=[r["timelines"][-1] for r in everyone] if measured else None,  # the last step, per rank
+        in_flight_per_rank=[r["in_flight"] for r in everyone] if scratch else None,
+        peak_activation_bytes_per_rank=[r["peak"] for r in everyone],
+        microbatch_activation_bytes_per_rank=[r["microbatch_bytes"] for r in everyone] if scratch else None,
+        predicted_activation_bytes_per_rank=[r["in_flight"] * r["microbatch_bytes"] for r in everyone]
+        if scratch
+        else None,
+    )
+
+
+def batches(loader):
+    """Endless batches: start another pass over the data whenever one ends (as lesson 00 does)."""
+    while True:
+        yield from loader
 
 
 def train(args, rank: int, world_size: int, device: torch.device, schedule: str, n_microbatches: int) -> dict:
@@ -388,155 +518,61 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
     loader = torch.utils.data.DataLoader(
         train_set, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=generator
     )
-
-    config = model_config(args)
-    model = build_model(config, seed=args.seed).to(device)  # the whole model on every rank, so stages match it
-    names = [name for name, _ in model.named_parameters()]
-    builtin = args.pp_impl == "builtin"
-    virtual = VIRTUAL_STAGES if schedule == "interleaved" else 1
-    n_stages = virtual * world_size
-    stage_indices = [rank + v * world_size for v in range(virtual)]  # interleaved: stages r and r + p on rank r
-    stage_modules = [build_stage(model, index, n_stages) for index in stage_indices]
-    del model  # what this rank's stages do not hold is freed
-    params = [p for module in stage_modules for p in module.parameters()]
+    pipeline, names = build_pipeline(args, rank, world_size, device, schedule, n_microbatches)
+    params = [p for module in pipeline.modules for p in module.parameters()]
     optimizer = build_optimizer(params, args)
-    ranges = partition(config.n_layers, n_stages)  # stage i runs on rank i % world_size
-    print0(
-        " | ".join(
-            f"rank {r}: "
-            + ", ".join(f"stage {i} = blocks {a}-{b - 1}" for i, (a, b) in enumerate(ranges) if i % world_size == r)
-            for r in range(world_size)
-        )
-    )
-    first = any(i == 0 for i in stage_indices)
-    last = any(i == n_stages - 1 for i in stage_indices)
-    micro = args.batch_size // n_microbatches
-    activation_shape = (micro, args.seq_len, args.dim)
-
-    if builtin:
-        pipeline = build_builtin_schedule(
-            stage_modules, stage_indices, n_stages, dist.group.WORLD, device, schedule, n_microbatches, loss_fn
-        )
-        steps = None
-        builtin_timeline, origin = [], [0.0]
-        recorded = record_builtin_timings(pipeline, builtin_timeline, origin, device)
-    else:
-        steps = SCRATCH_SCHEDULES[schedule](world_size, n_microbatches, rank)
-
-    logger = Logger(args, total_steps=args.steps)
-    throughput = Throughput(device)
-    losses, timelines, peaks = [], [], []
-    microbatch_bytes = None
-    batches = iter(loader)
-    for step in range(1, args.steps + 1):
-        try:
-            inputs, targets = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            inputs, targets = next(batches)
-        inputs, targets = inputs.to(device), targets.to(device)
+    logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
+    losses, timelines, peak, microbatch_bytes = [], [], None, None
+    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(loader)):
         optimizer.zero_grad(set_to_none=True)
         # Every rank starts the schedule together, so the timelines share one origin. (With NCCL, a collective
         # before the first batch_isend_irecv also lets that call involve only some ranks of the group.)
         dist.barrier()
-        with SavedActivations(exclude=params) as saved:
-            if builtin:
-                mb_losses = []
-                builtin_timeline.clear()
-                origin[0] = time.perf_counter()
-                args_in = (inputs,) if first else ()
-                kwargs = {"target": targets, "losses": mb_losses} if last else {}
-                pipeline.step(*args_in, **kwargs)
-                step_loss = torch.stack(mb_losses).mean() if last else torch.zeros((), device=device)
-                timeline = sorted(builtin_timeline, key=lambda entry: entry[2]) if recorded else None
-            else:
-                # Each micro-batch its own copy: micro-batches must not share storage (saved-bytes accounting).
-                mb_inputs = [c.clone() for c in inputs.chunk(n_microbatches)] if rank == 0 else None
-                mb_targets = [c.clone() for c in targets.chunk(n_microbatches)] if rank == world_size - 1 else None
-                mb_losses, timeline, mb_bytes = run_steps(
-                    stage_modules[0],
-                    steps,
-                    rank=rank,
-                    n_stages=world_size,
-                    inputs=mb_inputs,
-                    targets=mb_targets,
-                    activation_shape=activation_shape,
-                    device=device,
-                    saved=saved,
-                    crash=step == args.crash_at_step and rank == world_size - 1,
-                )
-                microbatch_bytes = microbatch_bytes or mb_bytes
-                step_loss = torch.stack(mb_losses).sum() if last else torch.zeros((), device=device)
+        # Activation bytes are counted in the first step only: the hooks run on every saved tensor and cost time.
+        with SavedActivations(exclude=params) if step == 1 else nullcontext() as saved:
+            loss, timeline, bytes_one = train_step(
+                pipeline, inputs.to(device), targets.to(device), rank=rank, world_size=world_size, device=device,
+                saved=saved, crash=step == args.crash_at_step and rank == world_size - 1,
+            )  # fmt: skip
+        if saved is not None:
+            peak, microbatch_bytes = saved.peak_bytes, bytes_one
         optimizer.step()
-        peaks.append(saved.peak_bytes)
         timelines.append(timeline)
-        dist.broadcast(step_loss, src=world_size - 1)  # the last stage computed the loss: everyone logs it
-        losses.append(step_loss.item())
+        dist.broadcast(loss, src=world_size - 1)  # the last stage computed the loss: everyone logs it
+        losses.append(loss.item())
         throughput.step(inputs.numel())
         logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)
         if step % args.log_every == 0 or step == args.steps:
             print0(f"step {step:4d}  loss {losses[-1]:.4f}")
     logger.close()
 
-    # Every rank's timelines and activation bytes, so rank 0 can write them all.
-    record = {"timelines": timelines, "peak": max(peaks), "microbatch_bytes": microbatch_bytes}
-    if steps is not None:
-        record["in_flight"] = in_flight(steps)
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, record)
-    measured = []
-    if all(r["timelines"][0] is not None for r in everyone):
-        for s in range(len(timelines)):
-            busy = sum(entry[3] - entry[2] for r in everyone for entry in r["timelines"][s])
-            span = max(entry[3] for r in everyone for entry in r["timelines"][s])
-            measured.append(1 - busy / (world_size * span))
-    later = measured[1:] or measured  # the first step pays for one-off start-up work
-    checksum, full_state = full_parameters(stage_modules, names)
+    checksum, full_state = full_parameters(pipeline.modules, names)
     if args.checkpoint:
-        save0({"model": full_state, "config": vars(config)}, args.checkpoint)
+        save0({"model": full_state, "config": vars(model_config(args))}, args.checkpoint)
         print0(f"saved the model to {args.checkpoint}")
-    predicted_peaks = (
-        None if builtin or microbatch_bytes is None else [r["in_flight"] * r["microbatch_bytes"] for r in everyone]
-    )
-    metrics = dict(
-        final_loss=losses[-1],
-        losses=losses,
-        steps=len(losses),
+    metrics = summarise(pipeline, world_size, losses, timelines, peak, microbatch_bytes)
+    metrics.update(
         tokens_per_s=throughput.tokens_per_s,
         param_checksum=checksum,
-        bytes_per_rank=state_bytes(nn.ModuleList(stage_modules), optimizer),
+        bytes_per_rank=state_bytes(nn.ModuleList(pipeline.modules), optimizer),
         optimizer=args.optimizer,
         dataset=args.dataset,
         pp_impl=args.pp_impl,
-        schedule=schedule,
-        microbatches=n_microbatches,
-        stages=n_stages,
-        stages_per_rank=virtual,
-        partition=partition(config.n_layers, n_stages),
-        bubble_predicted=predicted_bubble(world_size, n_microbatches, virtual),
-        bubble_from_steps=None if builtin else float(simulate(schedule, world_size, n_microbatches)[1]),
-        bubble_measured=sum(later) / len(later) if later else None,
-        bubble_measured_min=min(later) if later else None,
-        bubble_measured_max=max(later) if later else None,
-        bubble_measured_per_step=measured,
-        timeline=[r["timelines"][-1] for r in everyone] if measured else None,  # the last step, per rank
-        in_flight_per_rank=None if builtin else [r["in_flight"] for r in everyone],
-        peak_activation_bytes_per_rank=[r["peak"] for r in everyone],
-        microbatch_activation_bytes_per_rank=None if builtin else [r["microbatch_bytes"] for r in everyone],
-        predicted_activation_bytes_per_rank=predicted_peaks,
+        partition=partition(args.n_layers, pipeline.n_stages),
     )
-    del optimizer, stage_modules, params
-    if builtin:
-        del pipeline
+    del optimizer, params, pipeline
     return metrics
 
 
 def main():
-    parser = base_parser(__doc__.splitlines()[0])
+    parser = base_parser(__doc__.splitlines()[0], without=("--autocast",))  # fp32 only: parity is exact
     parser.add_argument("--pp-impl", choices=["scratch", "builtin"], default="scratch", help="which pipeline")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="interleaved: --pp-impl builtin only")
     parser.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per --batch-size batch")
-    sweep_help = "measure the bubble at m = 1, 2, 4, 8 (GPipe, 1F1B) and add the results to this JSON file"
+    sweep_help = (
+        "measure the bubble of GPipe and 1F1B at m = 1, 2, 4, 8 micro-batches of --batch-size sequences each "
+        "(the batch grows with m) and add the results to this JSON file"
+    )
     parser.add_argument("--bubble-sweep", type=Path, default=None, help=sweep_help)
     parser.add_argument("--crash-at-step", type=positive_int, default=None, help=argparse.SUPPRESS)  # tests only
     args = parse_args(parser)
@@ -550,23 +586,8 @@ def main():
         f"parameters | device {device.type}"
     )
     if args.bubble_sweep:
-        results = []
-        for schedule in ("gpipe", "1f1b"):
-            for m in (1, 2, 4, 8):
-                if args.batch_size % m:
-                    raise CourseError(f"--bubble-sweep needs a --batch-size divisible by 8 (got {args.batch_size})")
-                metrics = train(args, rank, world_size, device, schedule, m)
-                keep = ("bubble_predicted", "bubble_from_steps", "bubble_measured_per_step", "timeline")
-                results.append({"schedule": schedule, "microbatches": m, **{k: metrics[k] for k in keep}})
-                print0(f"{schedule:5s} m={m}: bubble measured {metrics['bubble_measured']:.3f}, formula "
-                       f"{metrics['bubble_predicted']:.3f}")  # fmt: skip
-        if rank == 0:
-            path = args.bubble_sweep
-            table = json.loads(path.read_text()) if path.exists() else {}
-            table[str(world_size)] = {"device": device.type, "n_layers": args.n_layers, "runs": results}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-        metrics = {**metrics, "bubble_sweep": results}
+        run = lambda sweep_args, schedule, m: train(sweep_args, rank, world_size, device, schedule, m)  # noqa: E731
+        metrics = bubble_sweep(run, args, rank, world_size, device, args.bubble_sweep)
     else:
         metrics = train(args, rank, world_size, device, args.schedule, args.microbatches)
     print0(

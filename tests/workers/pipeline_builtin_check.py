@@ -1,0 +1,84 @@
+"""Lesson 05's TODO 7 in one process, without TODO 1: the built-in schedule must give the whole batch's gradients.
+
+    python tests/workers/pipeline_builtin_check.py solutions/05_pipeline_parallel.py
+
+A world of one process (gloo) holds every stage of a model cut by hand; each built-in schedule runs one batch of
+4 sequences as 2 micro-batches, and the parameters' gradients must equal those of the whole model on the whole
+batch (the reference is the model itself, not the learner's code). Prints one line starting "TODO 7:" on failure.
+"""
+
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from utils.model import ModelConfig, build_model, loss_fn  # noqa: E402
+
+CONFIG = ModelConfig(seq_len=16, dim=32, n_layers=2, n_heads=2)
+M = 2
+
+
+def check(script, schedule: str) -> str | None:
+    """Why the built-in `schedule` is wrong, or None."""
+    model, reference = build_model(CONFIG, seed=0), build_model(CONFIG, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    tokens, targets = (torch.randint(0, CONFIG.vocab_size, (4, CONFIG.seq_len), generator=generator) for _ in "xy")
+    loss_fn(reference(tokens), targets).backward()
+    if schedule == "interleaved":  # two stages on this rank, one block each
+        stages = [script.Stage(model, range(0, 1), True, False), script.Stage(model, range(1, 2), False, True)]
+    else:
+        stages = [script.Stage(model, range(0, 2), True, True)]
+    indices = list(range(len(stages)))
+    try:
+        pipeline = script.build_builtin_schedule(
+            stages, indices, len(stages), dist.group.WORLD, torch.device("cpu"), schedule, M, loss_fn
+        )
+        losses = []
+        pipeline.step(tokens, target=targets, losses=losses)
+    except NotImplementedError as error:
+        return f"not done yet ({error})"
+    except Exception as error:
+        return f"--schedule {schedule}: build_builtin_schedule or its step raised {type(error).__name__}: {error}"
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        if p.grad is None:
+            return f"--schedule {schedule}: {name} got no gradient"
+        difference = float((p.grad - q.grad).abs().max())
+        if difference > 1e-6:
+            ratio = float(p.grad.norm() / q.grad.norm())
+            why = ""
+            if abs(ratio - M) < 0.1:
+                why = ": summed over the micro-batches, not averaged (leave scale_grads at its default)"
+            elif abs(ratio - 1 / M) < 0.05:
+                why = ": divided by m twice: the schedule averages the micro-batches itself, give it the plain loss"
+            return (
+                f"--schedule {schedule}: {name}.grad differs from the whole batch's by {difference:.1e} (norm ratio "
+                f"{ratio:.2f}){why}"
+            )
+    return None
+
+
+def main(path: str) -> int:
+    spec = importlib.util.spec_from_file_location("lesson05", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            problems = [problem for schedule in script.SCHEDULES if (problem := check(script, schedule))]
+        finally:
+            dist.destroy_process_group()
+    for problem in problems[:1]:
+        print(f"TODO 7: {problem}", flush=True)
+    if not problems:
+        print(f"built-in {', '.join(script.SCHEDULES)} on one process: the whole batch's gradients", flush=True)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
