@@ -44,6 +44,9 @@ def sections(text: str) -> dict[int, list[str]]:
 
 def one_line(report) -> str:
     """The failure's own message, first line, without pytest's assertion rewriting or the exception name."""
+    blocked = re.search(r"TODO \d+: needs (TODO \d+) first", str(report.longrepr))
+    if blocked:  # a check that builds on an earlier TODO which is wrong: that TODO's line says why
+        return f"waits for {blocked.group(1)}"
     stopped = re.search(r"ERROR: (TODO \d+: .+?) is not done yet", str(report.longrepr))
     if stopped:  # the script stopped at an unfinished TODO before it could be checked
         return f"the script stopped at {stopped.group(1)} (not done yet)"
@@ -91,6 +94,8 @@ class TodoReport:
                     status, done = "passing", done + 1
                 elif untouched:
                     status = "not started"
+                elif failures and all(one_line(r).startswith("waits for") for r in failures):
+                    status = f"not checked yet ({one_line(failures[0])})"
                 elif failures:
                     status = f"failing: {one_line(failures[0])}"
                 elif results:  # every test of this TODO skipped: it needs the TODOs before it
