@@ -7,6 +7,9 @@
     python -m utils.memory --params 7.5e9 --dp 64 --stage 2 --precision mixed --optimizer adam
     python -m utils.memory --params 7.5e9 --dp 64                 # every stage, as the ZeRO paper's table
 
+The command line defaults to the paper's mixed precision, the function to fp32: lesson 03's runs (fp32, and bf16
+compute with fp32 master state) hold what precision="fp32" predicts.
+
 The rule (Rajbhandari et al., "ZeRO", 2020): with Psi parameters and dp data-parallel ranks,
 - stage 0 (DDP) replicates everything:           params Psi, grads Psi, optimizer state Psi  (x bytes each)
 - stage 1 shards the optimizer state:            optimizer state Psi / dp
@@ -129,7 +132,14 @@ def main(argv=None):
     parser.add_argument("--params", type=float, required=True, help="parameters in the model, e.g. 7.5e9")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks the state is sharded over")
     parser.add_argument("--stage", type=int, choices=sorted(STAGES), default=None, help="one stage (default: all)")
-    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="mixed")
+    parser.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="mixed",
+        help="mixed (default, the ZeRO paper's): fp16/bf16 parameters and gradients + an fp32 master copy; fp32: "
+        "fp32 training, and also autocast or FSDP2's bf16 policy, which keep fp32 parameters and gradients "
+        "(model_state_bytes() defaults to fp32)",
+    )
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE), default="adam")
     args = parser.parse_args(argv)
     if args.dp < 1 or args.params < 1:
