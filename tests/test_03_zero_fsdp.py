@@ -80,10 +80,11 @@ class Launches:
                 extra += ["--checkpoint", folder / "model.pt"]
             metrics_path = folder / "metrics.json"
             args = [*MODEL, *extra, "--log-dir", folder / "runs", "--metrics-out", metrics_path]
+            env = course_env(PYTHONPATH=ROOT)  # `import utils` also for a script outside the course (a mutant's copy)
             if nproc == 1:
-                result = python(self.script, args, timeout=300)
+                result = python(self.script, args, timeout=300, env=env)
             else:
-                result = torchrun(self.script, nproc, args, timeout=300)
+                result = torchrun(self.script, nproc, args, timeout=300, env=env)
             metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else None
             self.done[key] = (result, metrics, folder)
         return self.done[key]
@@ -599,7 +600,8 @@ def test_bad_checkpoint_is_one_line_naming_the_folder(run, lesson, tmp_path, cas
             args[1] = "30"  # --dim 30 (and 3 heads): another model
         else:
             target = damage(target, tmp_path, case)
-    result = python(lesson("03"), [*args, "--resume", target, "--log-dir", tmp_path / "runs"], timeout=120)
+    env = course_env(PYTHONPATH=ROOT)
+    result = python(lesson("03"), [*args, "--resume", target, "--log-dir", tmp_path / "runs"], timeout=120, env=env)
     assert result.returncode == 2, result.tail()
     errors = [line for line in result.output.splitlines() if "ERROR:" in line]
     assert len(errors) == 1 and BAD[case] in errors[0] and str(target) in errors[0], result.tail()
@@ -615,7 +617,9 @@ def test_rank0_prints_once_and_finishes(run):
 
 
 def test_autocast_is_refused_not_ignored(lesson, tmp_path):
-    result = python(lesson("03"), [*MODEL, "--autocast", "bf16", "--steps", "1"], timeout=60)
+    result = python(
+        lesson("03"), [*MODEL, "--autocast", "bf16", "--steps", "1"], timeout=60, env=course_env(PYTHONPATH=ROOT)
+    )
     assert result.returncode == 2 and "--autocast" in result.output and "Traceback" not in result.output, result.tail()
 
 
