@@ -332,9 +332,10 @@ def test_todo5_reduce_gradients_returns_this_ranks_average_and_frees(edge):
 
 def test_todo5_backward_holds_at_most_the_root_and_one_block(edge):
     """The freeing check: during backward, each unit is freed once its gradients are reduce-scattered."""
-    report = edge_check(edge, "todo6", 5)["reshard_True"]
-    if report["after_forward"] != report["expected_after_forward"]:  # TODO 6 keeps units gathered: its test says so
-        test_todo5_reduce_gradients_returns_this_ranks_average_and_frees(edge)
+    schedule = edge.get("todo6", {})
+    report = schedule.get("reshard_True")
+    if report is None or report["after_forward"] != report["expected_after_forward"]:
+        test_todo5_reduce_gradients_returns_this_ranks_average_and_frees(edge)  # TODO 6's test names its problem
         return
     assert report["peak_in_backward"] <= report["root_plus_one_unit"], (
         f"TODO 5: {report['peak_in_backward']} bytes were gathered at once during backward, more than the root and "
