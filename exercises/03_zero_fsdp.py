@@ -45,7 +45,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from utils.collective_counter import CountCollectives
 from utils.data import load_token_dataset
 from utils.distributed_utils import (
     CourseError,
@@ -59,6 +58,7 @@ from utils.distributed_utils import (
     save_sharded_model,
     setup,
 )
+from utils.group_bytes import CountCollectives
 from utils.memory import model_state_bytes, peak_model_state_bytes
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
