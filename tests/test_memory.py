@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tests.launch import ROOT
-from utils.memory import bytes_per_param, model_state_bytes, padded_numel
+from utils.memory import bytes_per_param, model_state_bytes, padded_numel, peak_model_state_bytes
 
 
 def test_zero_paper_worked_example():
@@ -55,3 +55,17 @@ def test_command_line_prints_human_units():
     output = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "16.6 GB" in output and "2 + 2 + 12 bytes per parameter" in output
     assert len(output.strip().splitlines()) == 3  # the heading, the table's header, stage 2
+
+
+def test_peak_adds_what_exists_only_during_backward():
+    held = model_state_bytes(1000, 4, 2, "fp32", "adam")
+    assert peak_model_state_bytes(1000, 4, 1, "fp32", "adam", bucket_params=100) == model_state_bytes(1000, 4, 1)
+    assert peak_model_state_bytes(1000, 4, 2, "fp32", "adam", bucket_params=100) == {**held, "grads": 4 * 250 + 400}
+    peak3 = peak_model_state_bytes(1000, 4, 3, "fp32", "adam", gathered_params=300, gathered_bytes=2)
+    assert peak3 == {"params": 4 * 250 + 2 * 300, "grads": 4 * 250, "optimizer": 8 * 250}  # gathered in bf16
+
+
+def test_command_line_says_which_precision_fits_a_run():
+    command = [sys.executable, "-m", "utils.memory", "--help"]
+    output = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "mixed (default" in output and "autocast" in output

@@ -7,6 +7,9 @@
     python -m utils.memory --params 7.5e9 --dp 64 --stage 2 --precision mixed --optimizer adam
     python -m utils.memory --params 7.5e9 --dp 64                 # every stage, as the ZeRO paper's table
 
+The command line defaults to the paper's mixed precision, the function to fp32: lesson 03's runs (fp32, and bf16
+compute with fp32 master state) hold what precision="fp32" predicts.
+
 The rule (Rajbhandari et al., "ZeRO", 2020): with Psi parameters and dp data-parallel ranks,
 - stage 0 (DDP) replicates everything:           params Psi, grads Psi, optimizer state Psi  (x bytes each)
 - stage 1 shards the optimizer state:            optimizer state Psi / dp
@@ -75,6 +78,37 @@ def model_state_bytes(
     return {kind: per[kind] * (shard if sharded[kind] else n_params) for kind in ("params", "grads", "optimizer")}
 
 
+def peak_model_state_bytes(
+    n_params: float,
+    dp: int = 1,
+    stage: int = 0,
+    precision: str = "fp32",
+    optimizer: str = "adam",
+    padded_params: int | None = None,
+    bucket_params: int = 0,
+    gathered_params: int = 0,
+    gathered_bytes: int | None = None,
+) -> dict:
+    """Model state at its largest during backward: what model_state_bytes says a rank holds, plus what exists
+    only while backward runs.
+
+    - stages 0 and 1: every full gradient exists before it is reduced: the same as held (grads: Psi).
+    - stage 2, reduce-scattered bucket by bucket during backward: the gradient shard plus one bucket of full
+      gradients (bucket_params elements) waiting for its reduce-scatter. Reduced only after backward (one
+      bucket of Psi), stage 2 would peak where stage 1 does.
+    - stage 3: the parameter shard plus the gathered parameters (gathered_params elements, gathered_bytes each:
+      2 when they are gathered in bf16; default, the parameters' own bytes). The lesson's ZeRO-3 holds the root
+      and one block at once during backward.
+    """
+    held = model_state_bytes(n_params, dp, stage, precision, optimizer, padded_params)
+    per = bytes_per_param(precision, optimizer)
+    if stage == 2:
+        held["grads"] += per["grads"] * int(bucket_params)
+    if stage == 3:
+        held["params"] += (per["params"] if gathered_bytes is None else gathered_bytes) * int(gathered_params)
+    return held
+
+
 def human(nbytes: float) -> str:
     """Bytes in decimal units, as the ZeRO paper counts them (1 GB = 1e9 bytes)."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -98,7 +132,14 @@ def main(argv=None):
     parser.add_argument("--params", type=float, required=True, help="parameters in the model, e.g. 7.5e9")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks the state is sharded over")
     parser.add_argument("--stage", type=int, choices=sorted(STAGES), default=None, help="one stage (default: all)")
-    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="mixed")
+    parser.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="mixed",
+        help="mixed (default, the ZeRO paper's): fp16/bf16 parameters and gradients + an fp32 master copy; fp32: "
+        "fp32 training, and also autocast or FSDP2's bf16 policy, which keep fp32 parameters and gradients "
+        "(model_state_bytes() defaults to fp32)",
+    )
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE), default="adam")
     args = parser.parse_args(argv)
     if args.dp < 1 or args.params < 1:
