@@ -448,6 +448,7 @@ def main():
         autocast=args.autocast,
         device=device.type,
         ddp=args.ddp,
+        wrapper=type(model).__name__,  # which data parallelism --ddp actually got
         grad_accum=args.grad_accum,
         global_batch_size=global_batch_size,
         batches_per_epoch=len(loader),

@@ -202,6 +202,8 @@ def test_todo7_ddp_wrap_matches_single_process(run, name):
         "(wrap the model so gradients are averaged across ranks; TODO 6 gives each rank different data)"
     )
     assert metrics["param_checksum"] == pytest.approx(one_metrics["param_checksum"], rel=1e-6), "TODO 7"
+    wanted = {"builtin": "DistributedDataParallel", "scratch": "DataParallel"}[metrics["ddp"]]
+    assert metrics["wrapper"] == wanted, f"TODO 7: --ddp {metrics['ddp']} wrapped the model in {metrics['wrapper']}"
 
 
 def test_todo8_set_epoch_reshuffles_every_epoch(lesson, tmp_path):
