@@ -92,9 +92,9 @@ MUTANTS = [
     ),
     Mutant(
         todo=7,
-        what="the built-in path is not wrapped at all",
-        find="        model = apply_ddp(model, device, bucket_cap_mb=args.bucket_cap_mb)\n    else:",
-        replace="        model = DataParallel(model, bucket_cap_mb=args.bucket_cap_mb).module\n    else:",
+        what="the two paths swapped: --ddp builtin gets the hand-written wrapper",
+        find='    if args.ddp == "builtin":\n        model = apply_ddp(',
+        replace='    if args.ddp == "scratch":\n        model = apply_ddp(',
     ),
     # TODO 8: set_epoch
     Mutant(
