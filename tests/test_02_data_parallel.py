@@ -320,7 +320,7 @@ def test_autocast_bf16_is_honoured_as_in_lesson_00(lesson, tmp_path):
 def test_todo12_lab_uneven_batches_every_rank_takes_the_same_steps(lesson, tmp_path):
     """3 ranks, 7 samples: rank 0 has one batch more. Each case runs in a fresh gloo group, 5 s timeout."""
     out = tmp_path / "lab.json"
-    torchrun(ROOT / "tests/workers/lab_check.py", 3, [lesson("02"), out, "uneven"], timeout=150).check()
+    torchrun(ROOT / "tests/workers/lab_check.py", 3, [lesson("02"), out, "uneven"], timeout=300).check()
     message = failure("uneven", json.loads(out.read_text())["uneven"], 12)
     assert message is None, message
 
