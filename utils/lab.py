@@ -83,7 +83,7 @@ LAB_CASES = {
 WITHOUT_DETAIL = {"uneven"}
 
 
-STUCK = "was stuck in a collective until the timeout (or until a stuck peer gave up)"
+STUCK = "was stuck waiting for another rank until the timeout (or until a stuck peer gave up)"
 
 
 def _describe(error: BaseException) -> str:
