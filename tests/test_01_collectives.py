@@ -54,7 +54,8 @@ def test_todo2_ring_all_gather_phase(checks):
     assert_exact(checks["todo2"], "TODO 2 (ring all-gather)")
 
 
-def test_todos_1_2_ring_all_reduce_equals_library(checks):
+def test_ring_all_reduce_of_todos_1_and_2_equals_library(checks):
+    """The two phases together (an "other check": TODOs 1 and 2 are each graded on their own above)."""
     assert_exact(checks["ring"], "TODOs 1 and 2 together (ring_all_reduce)")
 
 
