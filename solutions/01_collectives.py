@@ -3,7 +3,8 @@
 Part 1 runs each collective of torch.distributed on small tensors and shows every rank's tensor
 before and after. Part 2 builds all-reduce twice by hand: as a ring of send/recv (a reduce-scatter
 phase, then an all-gather phase) and from the reduce-scatter and all-gather collectives, and checks
-both against dist.all_reduce. Part 3 measures the hand-written ring against the library.
+both against dist.all_reduce. Part 3 measures the hand-written ring against the library. Part 4 is a
+debugging lab: five short multi-rank functions that hang or crash, for you to diagnose and fix (TODOs 4-8).
 
     torchrun --nproc_per_node=4 solutions/01_collectives.py
     python solutions/01_collectives.py            # a world of one: runs, but nothing to exchange
@@ -322,6 +323,119 @@ def save_reference(path: Path, rows: list[dict], args, device):
     reference["runs"] = dict(sorted(runs.items(), key=lambda item: int(item[0])))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(reference, indent=1) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Part 4: debugging lab. Each function below is short, plausible, and (in the exercise) wrong: on three
+# ranks it hangs, crashes or disagrees. Run it on live ranks (notebook section 5) or `make check LESSON=01`,
+# read which rank failed in which call, and fix it. The lab runs on gloo with a 5 s timeout.
+# --------------------------------------------------------------------------------------------------
+
+
+def count_real_tokens(tokens: torch.Tensor) -> int:
+    """The number of real tokens (not the padding -1) in every rank's batch together, on every rank.
+    At the end of an epoch a rank's batch can be empty."""
+    # TODO 4: lab, a collective some ranks skip. In the exercise, a rank with an empty batch returns at
+    #   once. Which ranks wait in which call, and for whom? Fix it: every rank calls every collective,
+    #   contributing nothing (zero) when it has nothing.
+    # BEGIN SOLUTION
+    count = (tokens >= 0).sum().to(torch.float64)  # an empty batch counts 0, and still joins the all-reduce
+    dist.all_reduce(count)
+    return int(count.item())
+    # EXERCISE
+    # if tokens.numel() == 0:
+    #     return 0  # nothing to count on this rank
+    # count = (tokens >= 0).sum().to(torch.float64)
+    # dist.all_reduce(count)
+    # return int(count.item())
+    # END SOLUTION
+
+
+def largest_value(values: torch.Tensor) -> float:
+    """The largest element of `values` (the same tensor on every rank), each rank scanning one slice."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    per_rank = -(-values.numel() // world_size)  # slices of ceil(numel / n): the last ones can be empty
+    mine = values[rank * per_rank : (rank + 1) * per_rank]
+    # TODO 5: lab, a rank that raises. In the exercise, which rank raises, and what do the other ranks
+    #   see in the all-reduce that follows? Fix it so that an empty slice takes part without raising
+    #   (what value never wins a maximum?).
+    # BEGIN SOLUTION
+    local = mine.max() if mine.numel() else torch.tensor(float("-inf"), dtype=values.dtype, device=values.device)
+    # EXERCISE
+    # local = mine.max()  # the largest of this rank's slice
+    # END SOLUTION
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return local.item()
+
+
+def gather_all(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `values`, concatenated in rank order, on every rank. Each rank has as many
+    values as it has (lengths differ between ranks, e.g. the tokens each rank generated)."""
+    world_size = dist.get_world_size()
+    # TODO 6: lab, shapes that differ between ranks. In the exercise every rank sizes the output from its
+    #   own length. What does gloo do with it (and what does TORCH_DISTRIBUTED_DEBUG=DETAIL say)? Fix it:
+    #   first all-gather the lengths, pad every rank's values to the longest, all-gather, then cut the padding.
+    # BEGIN SOLUTION
+    length = torch.tensor([values.numel()], device=values.device)
+    lengths = torch.empty(world_size, dtype=length.dtype, device=values.device)
+    dist.all_gather_single(lengths, length)
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values
+    gathered = torch.empty(world_size * longest, dtype=values.dtype, device=values.device)
+    dist.all_gather_single(gathered, padded)
+    return torch.cat([row[:n] for row, n in zip(gathered.view(world_size, longest), lengths.tolist())])
+    # EXERCISE
+    # gathered = torch.empty(world_size * values.numel(), dtype=values.dtype, device=values.device)
+    # dist.all_gather_single(gathered, values)
+    # return gathered
+    # END SOLUTION
+
+
+def swap_with_partner(tensor: torch.Tensor) -> torch.Tensor:
+    """Ranks pair up (0 with 1, 2 with 3, ...) and swap tensors; the last rank of an odd world has no
+    partner and keeps its own."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    partner = rank ^ 1  # 0 <-> 1, 2 <-> 3, ...
+    if partner >= world_size:
+        return tensor.clone()
+    received = torch.empty_like(tensor)
+    # TODO 7: lab, send/recv in the wrong order. In the exercise both partners send first: a send
+    #   completes only once the partner receives, so who is receiving? Fix the order (even ranks send
+    #   first, odd ranks receive first), or post the send without waiting (dist.isend).
+    # BEGIN SOLUTION
+    if rank % 2 == 0:
+        dist.send(tensor, dst=partner)
+        dist.recv(received, src=partner)
+    else:
+        dist.recv(received, src=partner)
+        dist.send(tensor, dst=partner)
+    # EXERCISE
+    # dist.send(tensor, dst=partner)  # ours first...
+    # dist.recv(received, src=partner)  # ...then the partner's
+    # END SOLUTION
+    return received
+
+
+def steps_until_converged(losses: list[float], target: float) -> int:
+    """A training loop's skeleton: this rank's loss at step i is losses[i]. The job stops after the first
+    step whose loss averaged over the ranks is below `target`; every rank returns the number of steps run."""
+    for step, local_loss in enumerate(losses):
+        # TODO 8: lab, a rank-dependent branch around a collective. In the exercise each rank decides to
+        #   stop from its own loss. Which rank leaves first, and where are the others then? Fix it: decide
+        #   from a value every rank shares (the averaged loss), so every rank takes the same branch.
+        # BEGIN SOLUTION
+        loss = torch.tensor(local_loss, dtype=torch.float64)
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # every rank now holds the same number...
+        if loss.item() < target:  # ...so every rank takes the same branch
+            return step + 1
+        # EXERCISE
+        # if local_loss < target:  # this rank's loss is low enough: stop
+        #     return step + 1
+        # loss = torch.tensor(local_loss, dtype=torch.float64)
+        # dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the mean, for the log
+        # END SOLUTION
+    return len(losses)
 
 
 def main():

@@ -36,6 +36,7 @@ from utils.training import (
     DEFAULT_LR,
     Logger,
     Throughput,
+    autocast,
     base_parser,
     build_optimizer,
     check_batches,
@@ -306,6 +307,7 @@ def main():
     # Data: fixed-length blocks of tokens, every rank with the whole data set (utils.sharding shows other ways).
     train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
     check_batches(len(train), args, world_size, per_step=args.grad_accum)  # else some rank waits for data forever
+    pinned = device.type == "cuda"  # as in lesson 00: page-locked batches on a GPU, copied without blocking
     # TODO 6: shard the data with a DistributedSampler. Every rank draws the same shuffled order (same seed)
     #   and keeps every world_size-th sample, so the ranks' batches are disjoint slices of one global batch.
     #   drop_last=True drops the last few samples instead of padding the epoch by repeating some.
@@ -314,10 +316,12 @@ def main():
     sampler = DistributedSampler(
         train, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
-    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True, pin_memory=pinned)
     # EXERCISE
     # generator = torch.Generator().manual_seed(args.seed)
-    # loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=generator)
+    # loader = DataLoader(
+    #     train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=generator, pin_memory=pinned
+    # )
     # END SOLUTION
 
     # The model: the same weights for the same --seed, on whatever device setup() picked.
@@ -374,7 +378,7 @@ def main():
             step_loss = torch.zeros((), device=device)
             for micro_step in range(args.grad_accum):
                 inputs, targets = next(micro_batches)
-                inputs, targets = inputs.to(device), targets.to(device)
+                inputs, targets = inputs.to(device, non_blocking=pinned), targets.to(device, non_blocking=pinned)
                 last = micro_step == args.grad_accum - 1
                 # TODO 9: accumulate gradients without communicating. On every micro-step but the last, run
                 #   backward inside model.no_sync(): the gradients only add up locally, and the last backward
@@ -387,7 +391,8 @@ def main():
                 with sync:
                     # Each micro-batch's mean loss / grad_accum: the k micro-batches' gradients then add up to
                     # the mean over all k x b sequences, the gradient of one batch k times as large.
-                    loss = loss_fn(model(inputs), targets) / args.grad_accum
+                    with autocast(args, device):  # as in lesson 00: a no-op unless --autocast bf16
+                        loss = loss_fn(model(inputs), targets) / args.grad_accum
                     loss.backward()
                 step_loss += loss.detach()
             optimizer.step()
@@ -440,7 +445,10 @@ def main():
         lr=args.lr,
         lr_scaling=args.lr_scaling,
         dataset=args.dataset,
+        autocast=args.autocast,
+        device=device.type,
         ddp=args.ddp,
+        wrapper=type(model).__name__,  # which data parallelism --ddp actually got
         grad_accum=args.grad_accum,
         global_batch_size=global_batch_size,
         batches_per_epoch=len(loader),
@@ -454,6 +462,36 @@ def main():
     # destroy_process_group, the group's last reference goes with it, and gloo's teardown can deadlock.)
     del model, optimizer
     destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# Debugging lab: the hang data parallelism brings (TODO 12; notebook section 8, `make check LESSON=02`)
+# --------------------------------------------------------------------------------------------------
+
+
+def train_one_epoch(model: nn.Module, samples: list, batch_size: int, optimizer) -> int:
+    """One epoch of data-parallel training on a hand-made shard: rank r takes samples r, r + n, r + 2n, ...
+    (no DistributedSampler). `model` is wrapped in DDP. Returns the optimizer steps this rank took."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mine = samples[rank::world_size]
+    batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+    # TODO 12: lab, uneven batches. In the exercise, when the samples do not divide evenly, some ranks
+    #   get one batch more than others. Which rank is still training when the others have left, and in
+    #   which call does it wait? Fix it: agree on the number of batches before the loop (every rank
+    #   takes as many as the rank with the fewest: an all-reduce with ReduceOp.MIN).
+    # BEGIN SOLUTION
+    fewest = torch.tensor(len(batches))
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)  # drop the extra batch, as DistributedSampler(drop_last=True)
+    batches = batches[: int(fewest)]
+    # EXERCISE
+    # pass
+    # END SOLUTION
+    for batch in batches:
+        inputs, targets = torch.stack([x for x, _ in batch]), torch.stack([y for _, y in batch])
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(inputs), targets).backward()  # DDP all-reduces the gradients here
+        optimizer.step()
+    return len(batches)
 
 
 if __name__ == "__main__":

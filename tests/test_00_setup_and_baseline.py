@@ -4,15 +4,17 @@ pytest tests/test_00_setup_and_baseline.py                      # the solution
 pytest tests/test_00_setup_and_baseline.py --target exercises   # your exercise (make check LESSON=00)
 """
 
+import json
 import math
 import time
 
 import pytest
 import torch
 
-from tests.launch import course_env, python, torchrun
+from tests.launch import ROOT, course_env, python, torchrun
+from utils.data import load_token_dataset
 from utils.metrics import param_checksum
-from utils.model import ModelConfig, build_model
+from utils.model import TINY, ModelConfig, build_model, loss_fn
 
 STEPS = 60
 UNIFORM_LOSS = math.log(256)  # what a model that knows nothing about bytes scores
@@ -42,9 +44,56 @@ def test_todo1_training_step_lowers_the_loss(baseline):
     assert sum(losses[-10:]) < sum(losses[:10]) - 10 * 1.0, f"TODO 1: the loss curve does not fall: {losses[::10]}"
 
 
-def test_todo2_tokens_per_second_is_measured(baseline):
-    metrics = finished(baseline[0], 2)
-    assert metrics["tokens_per_s"] > 0, "TODO 2: feed the throughput meter the tokens of each step"
+def reference_losses(steps: int, autocast: bool) -> list[float]:
+    """Lesson 00's training step written out here, on the script's data order (a DataLoader shuffled by a
+    generator seeded with --seed 0), model (seed 0) and SGD: what TODO 1 must reproduce."""
+    train = load_token_dataset("synthetic", TINY.seq_len, "train")
+    loader = torch.utils.data.DataLoader(
+        train, batch_size=8, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0)
+    )
+    model = build_model(TINY, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    losses = []
+    for _, (inputs, targets) in zip(range(steps), loader):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("precision", ["off", "bf16"])
+def test_todo1_training_step_matches_the_reference_step(lesson, tmp_path, precision):
+    """Three SGD steps, fp32 and with --autocast bf16, against the step written out in this test."""
+    args = ["--steps", 3, "--optimizer", "sgd", "--autocast", precision, "--log-dir", tmp_path / "runs"]
+    losses = finished(python(lesson("00"), args, tmp_path=tmp_path), 1)["losses"]
+    expected = reference_losses(3, autocast=precision == "bf16")
+    assert len(losses) == 3, f"TODO 1: {len(losses)} losses recorded in 3 steps: append one per step"
+    assert losses[0] == pytest.approx(expected[0], abs=1e-5), (
+        f"TODO 1: the first loss is {losses[0]:.5f}, not {expected[0]:.5f}: "
+        + ("compute the forward and the loss inside autocast(args, device)" if precision == "bf16" else
+           "the loss of the batch, from the model's logits (loss_fn)")
+    )  # fmt: skip
+    assert losses == pytest.approx(expected, abs=1e-5), (
+        f"TODO 1: losses {[round(x, 5) for x in losses]}, not {[round(x, 5) for x in expected]}: clear the "
+        "gradients (zero_grad) before backward, and step the optimizer after backward, every step"
+    )
+
+
+def test_todo2_tokens_per_step_are_batch_times_sequence_length(lesson, tmp_path):
+    """What the training loop feeds the throughput meter (tests/workers/throughput_probe.py records it)."""
+    out = tmp_path / "tokens.json"
+    args = ["--steps", 3, "--batch-size", 4, "--seq-len", 32, "--log-dir", tmp_path / "runs"]
+    run = python(ROOT / "tests" / "workers" / "throughput_probe.py", [out, lesson("00"), *args], timeout=180)
+    finished(run, 2)
+    counted = json.loads(out.read_text())["tokens"]
+    assert len(counted) == 3, f"TODO 2: the meter was fed {len(counted)} times in 3 steps: once per step"
+    assert counted == [4 * 32] * 3, (
+        f"TODO 2: the meter got {counted} tokens per step, not 4 x 32 = 128: a batch of B sequences of T tokens "
+        "trains B x T next-token predictions (inputs.numel())"
+    )
 
 
 def test_todo3_loss_logged_to_tensorboard(baseline):

@@ -5,7 +5,8 @@ pytest tests/test_02_data_parallel.py --target exercises   # your exercise (make
 
 TODOs 1-4 (the hand-written DataParallel) are checked by tests/workers/ddp_parity.py under torchrun, on small
 models: a plain one, one with a frozen layer, one with parameters some steps do not use, one with a shared
-weight. TODOs 5-11 (the training script) are checked by running the script. Each run is launched once, the
+weight. TODOs 5-11 (the training script) are checked by running the script; TODO 12 (the debugging lab) by
+tests/workers/lab_check.py. Each run is launched once, the
 first time a test needs it, and shared by the tests below. The reference is the same script on one process
 with the global batch: 8 sequences per step.
 """
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
+from utils.lab import failure
 from utils.make_exercises import make_exercise
 from utils.metrics import param_checksum
 from utils.model import ModelConfig, build_model, count_parameters
@@ -200,6 +202,8 @@ def test_todo7_ddp_wrap_matches_single_process(run, name):
         "(wrap the model so gradients are averaged across ranks; TODO 6 gives each rank different data)"
     )
     assert metrics["param_checksum"] == pytest.approx(one_metrics["param_checksum"], rel=1e-6), "TODO 7"
+    wanted = {"builtin": "DistributedDataParallel", "scratch": "DataParallel"}[metrics["ddp"]]
+    assert metrics["wrapper"] == wanted, f"TODO 7: --ddp {metrics['ddp']} wrapped the model in {metrics['wrapper']}"
 
 
 def test_todo8_set_epoch_reshuffles_every_epoch(lesson, tmp_path):
@@ -291,6 +295,34 @@ def test_untouched_exercise_is_lesson_00_on_one_process_and_names_todo5_on_two(t
     assert untouched.metrics["losses"] == baseline.metrics["losses"], "the untouched exercise should be lesson 00"
     two = torchrun(exercise, 2, args, timeout=180, env=env)
     assert two.returncode != 0 and "ERROR: TODO 5: the global batch recipe is not done yet" in two.output, two.tail()
+
+
+def test_autocast_bf16_is_honoured_as_in_lesson_00(lesson, tmp_path):
+    """--autocast bf16 changes the run (the forward in bf16), as in lesson 00; it is not accepted and ignored."""
+    args = [*COMMON, "--batch-size", "8"]
+    runs = {}
+    for mode in ("off", "bf16"):
+        folder = tmp_path / mode
+        runs[mode] = python(lesson("02"), [*args, "--autocast", mode, "--log-dir", folder / "runs"], tmp_path=folder)
+        finished(runs[mode], 5)
+    off, bf16 = runs["off"].metrics, runs["bf16"].metrics
+    assert bf16["autocast"] == "bf16" and off["autocast"] == "off", (off["autocast"], bf16["autocast"])
+    assert bf16["losses"] != off["losses"], "--autocast bf16 gave the fp32 losses: the forward must run in autocast"
+    gap = max(abs(a - b) for a, b in zip(bf16["losses"], off["losses"]))
+    assert gap < 0.1, f"bf16 losses differ from fp32 by {gap:.3f}: more than rounding"
+
+
+# --------------------------------------------------------------------------------------------------
+# TODO 12: the debugging lab (uneven batches), graded like lesson 01's (utils/lab.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_todo12_lab_uneven_batches_every_rank_takes_the_same_steps(lesson, tmp_path):
+    """3 ranks, 7 samples: rank 0 has one batch more. Each case runs in a fresh gloo group, 5 s timeout."""
+    out = tmp_path / "lab.json"
+    torchrun(ROOT / "tests/workers/lab_check.py", 3, [lesson("02"), out, "uneven"], timeout=300).check()
+    message = failure("uneven", json.loads(out.read_text())["uneven"], 12)
+    assert message is None, message
 
 
 # --------------------------------------------------------------------------------------------------

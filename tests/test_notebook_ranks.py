@@ -12,6 +12,7 @@ pytest.importorskip("ipyparallel")
 
 from ipyparallel.error import CompositeError  # noqa: E402
 
+from tests.launch import ROOT  # noqa: E402
 from utils.notebook import _visible_gpus, explain, start_ranks  # noqa: E402
 
 GPUS = _visible_gpus()  # NCCL with one GPU per rank where GPUs exist, gloo on the CPU otherwise
@@ -105,3 +106,23 @@ def test_stop_ranks_command_cleans_up_after_a_killed_kernel():
     _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=30)
     leftover = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not leftover, f"`python -m utils.notebook stop-ranks` left ranks running: {leftover}"
+
+
+def test_lab_ranks_use_gloo_even_with_gpus_grade_each_case_and_recover(tmp_path):
+    """start_ranks(backend="gloo") hides the GPUs from the ranks (under NCCL a collective some ranks skip would
+    return at once and the watchdog would kill the rank); run_lab grades a case and leaves a fresh group."""
+    from utils.make_exercises import make_exercise
+
+    solution = ROOT / "solutions" / "01_collectives.py"
+    untouched = tmp_path / solution.name  # the exercise as generated, whatever the learner did to theirs
+    untouched.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    ranks = start_ranks(3, timeout_s=5, debug="DETAIL", backend="gloo")
+    try:
+        assert ranks.pull_expression("(dist.get_backend(), device.type)") == [("gloo", "cpu")] * 3
+        passed, lines = ranks.run_lab("skip", str(untouched))
+        assert not passed and "rank 0: count_real_tokens waited in a collective for rank 2" in lines[0], lines
+        assert lines[2] == "rank 2: count_real_tokens returned 0, not 4", lines
+        passed, lines = ranks.run_lab("skip", "solutions/01_collectives.py")  # the group works again
+        assert passed, lines
+    finally:
+        ranks.stop()

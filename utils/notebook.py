@@ -108,6 +108,16 @@ if dist.is_initialized():
 """
 
 
+_LAB = """
+import importlib.util
+from utils.lab import run_case
+_spec = importlib.util.spec_from_file_location("lab_lesson", {path!r})
+_lesson = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_lesson)
+_lab_outcome = run_case(_lesson, {case!r})
+"""
+
+
 def _interactive_shell():
     try:
         from IPython import get_ipython
@@ -123,10 +133,15 @@ class Ranks:
     local_rank, world_size, device, torch and dist. Results come back in rank order with pull().
     """
 
-    def __init__(self, world_size: int, timeout_s: float | None, debug: str | None, seed: int):
+    def __init__(self, world_size: int, timeout_s: float | None, debug: str | None, seed: int, backend: str | None):
         import ipyparallel as ipp  # only the notebooks need it
 
-        gpus = _visible_gpus()
+        if backend not in (None, "gloo"):
+            raise ValueError(
+                f"backend {backend!r}: None (NCCL on GPUs, else gloo) or 'gloo' (the CPU, even on a GPU node)"
+            )
+        self.backend = backend
+        gpus = 0 if backend == "gloo" else _visible_gpus()
         if gpus and world_size > gpus:
             from utils.distributed_utils import CourseError
 
@@ -188,6 +203,8 @@ class Ranks:
                 "OMP_NUM_THREADS": "1",
                 "TORCH_DISTRIBUTED_DEBUG": self.debug,
             }
+            if self.backend == "gloo":  # set before the rank first imports torch: setup() then sees no GPU
+                env["CUDA_VISIBLE_DEVICES"] = ""
             code = _JOIN.format(root=str(ROOT), env=env, seed=self.seed, timeout_s=self.timeout_s)
             pending.append(self.client[engine].execute(code, block=False))
         for result in pending:
@@ -202,6 +219,20 @@ class Ranks:
         """The value of a Python expression evaluated on every rank, in rank order."""
         self.view.execute(f"_pulled = {expression}")
         return self.view.pull("_pulled", block=True)
+
+    def run_lab(self, case: str, script: str) -> tuple[bool, list[str]]:
+        """Run debugging-lab case `case` (utils/lab.py) with the functions of `script` (e.g.
+        "exercises/01_collectives.py", loaded afresh: your latest edit counts) on every rank. Returns
+        (passed, one line per rank). Each case leaves the ranks a fresh process group, as the check does: a
+        timed-out collective leaves a group unusable, and send/recv between some ranks leaves DETAIL's
+        count of collectives different on the others."""
+        from utils.lab import verdict
+
+        code = _LAB.format(path=str(ROOT / script), case=case)
+        self.view.execute(code, block=True)
+        passed, lines = verdict(case, self.view.pull("_lab_outcome", block=True))
+        self.restart()
+        return passed, lines
 
     @property
     def pids(self) -> list[int]:
@@ -234,10 +265,13 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def start_ranks(world_size: int = 4, timeout_s: float | None = None, debug: str | None = None, seed: int = 0):
+def start_ranks(
+    world_size: int = 4, timeout_s: float | None = None, debug: str | None = None, seed: int = 0, backend=None
+):
     """Start `world_size` ranks that %%px cells run on; each has joined the process group (gloo on CPU,
-    NCCL with one GPU per rank where GPUs exist). Stop them with .stop()."""
-    return Ranks(world_size, timeout_s=timeout_s, debug=debug, seed=seed)
+    NCCL with one GPU per rank where GPUs exist; backend="gloo": gloo and the CPU even where GPUs exist).
+    Stop them with .stop()."""
+    return Ranks(world_size, timeout_s=timeout_s, debug=debug, seed=seed, backend=backend)
 
 
 def explain(error) -> list[str]:

@@ -1,0 +1,162 @@
+"""The debugging labs' plumbing: run a lab function on the live ranks, say what each rank did, grade it.
+
+A lesson's lab is a few short multi-rank functions in its script (lesson 01: TODOs 4-8, lesson 02: TODO 12). The same
+cases run in the notebook (on live ranks) and in `make check` (tests/workers/lab_check.py), so what the
+learner sees in the notebook is what the check grades:
+
+    outcome = run_case(lesson_module, "skip")   # on every rank: {"value": ..., "error": ...}
+    ok, lines = verdict("skip", outcomes)       # on one process, with every rank's outcome
+
+Labs run on gloo, CPU tensors, with a short timeout and (but for DDP's case) TORCH_DISTRIBUTED_DEBUG=DETAIL.
+Why gloo, even on a GPU node: a collective that only some ranks call makes gloo wait and then raise a timeout on those
+ranks, which the lab can show and recover from. NCCL enqueues the collective on the GPU and returns at
+once; its watchdog then finds the collective timed out and kills the whole process, so there is nothing
+left to inspect. Why DETAIL: gloo aborts the process (SIGABRT) when ranks all-gather different sizes;
+DETAIL checks shapes first and raises a readable error on every rank instead.
+"""
+
+import re
+import time
+
+import torch
+import torch.distributed as dist
+
+LAB_TIMEOUT_S = 5.0  # how long a lab collective waits for a missing rank before it raises
+
+
+def _inputs(name: str, rank: int, world_size: int):
+    """The case's arguments on `rank`, and the answer every rank must return (from every rank's inputs)."""
+    if name == "skip":  # the last rank's batch is empty; the others hold real tokens and padding (-1)
+
+        def batch(r):
+            return torch.tensor([] if r == world_size - 1 else [5, 7, -1, 3][: r + 2], dtype=torch.long)
+
+        return (batch(rank),), sum(int((batch(r) >= 0).sum()) for r in range(world_size))
+    if name == "raise":  # 2(n-1) values in slices of 2: the last rank's slice is empty; negative, so 0 is wrong
+        values = torch.tensor([float((7 * i) % 11 - 20) for i in range(2 * (world_size - 1))])  # all below 0
+        return (values,), values.max().item()
+    if name == "shapes":  # rank r has r + 1 values
+
+        def values(r):
+            return torch.arange(r + 1, dtype=torch.float32) + 100 * r
+
+        return (values(rank),), torch.cat([values(r) for r in range(world_size)]).tolist()
+    if name == "swap":
+        partner = rank ^ 1
+        mine = torch.full((3,), float(rank))
+        return (mine,), [float(partner if partner < world_size else rank)] * 3
+    if name == "branch":  # each rank's loss falls at its own pace; rank 0's crosses the target first
+
+        def losses(r):
+            return [4.0 / (1 + step * (world_size - r) ** 2) for step in range(8)]
+
+        target = 1.0
+        means = [sum(losses(r)[step] for r in range(world_size)) / world_size for step in range(8)]
+        return (losses(rank), target), next(step + 1 for step, mean in enumerate(means) if mean < target)
+    if name == "uneven":  # 3n - 2 samples, one per batch: rank 0 has one batch more than the others
+        expected = len(range(world_size - 1, 3 * world_size - 2, world_size))  # the fewest batches of a rank
+        if not dist.is_initialized():  # grading only needs the answer
+            return None, expected
+        from torch import nn
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(nn.Linear(4, 1))  # DDP broadcasts rank 0's weights
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        samples = [(torch.full((4,), float(i)), torch.tensor([float(i)])) for i in range(3 * world_size - 2)]
+        return (model, samples, 1, optimizer), expected
+    raise ValueError(f"no lab case {name!r}")
+
+
+# Which function of the lesson each case calls, and what the learner must get right.
+LAB_CASES = {
+    "skip": ("count_real_tokens", "every rank calls the all-reduce, an empty batch contributing 0"),
+    "raise": ("largest_value", "an empty slice takes part in the all-reduce with -inf instead of raising"),
+    "shapes": ("gather_all", "all-gather the lengths first, pad to the longest, gather, cut the padding"),
+    "swap": ("swap_with_partner", "one partner sends first while the other receives first (or isend)"),
+    "branch": ("steps_until_converged", "decide from the averaged loss, the same number on every rank"),
+    # lesson 02
+    "uneven": ("train_one_epoch", "every rank runs as many batches as the rank with the fewest (all-reduce MIN)"),
+}
+
+
+# DDP's own checks crash (SIGSEGV) under a DETAIL set after start-up: the DDP cases run without it.
+WITHOUT_DETAIL = {"uneven"}
+
+
+STUCK = "was stuck waiting for another rank until the timeout (or until a stuck peer gave up)"
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error)
+    gist = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else type(error).__name__)
+    missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
+    if missing:  # DETAIL's check before each collective: these ranks never arrived
+        return f"waited in a collective for rank {missing.group(1).strip()}, which never joined it"
+    if "Timed out" in text or "timed out" in text:
+        return STUCK
+    if "Detected mismatch between collectives" in text:
+        shapes = re.findall(r"Rank (\d+) is running collective: .*?OpType=(\w+), TensorShape=\[([^\]]*)\]", text)
+        said = "; ".join(f"rank {r}: {op} of shape [{shape}]" for r, op, shape in shapes)
+        return f"DETAIL found a mismatch ({said})"
+    if "Connection closed" in text or "Connection reset" in text or isinstance(error, dist.DistError):
+        return STUCK  # which of the waiting ranks times out first, and which then loses its peer, varies
+    return f"raised {type(error).__name__}: {gist[:120]}"
+
+
+def run_case(lesson, name: str) -> dict:
+    """Run case `name` with the lesson module's function on this rank: {"value", "error", "seconds"}."""
+    function, _ = LAB_CASES[name]
+    args, _ = _inputs(name, dist.get_rank(), dist.get_world_size())
+    start = time.perf_counter()
+    try:
+        value = getattr(lesson, function)(*args)
+        value = value.tolist() if isinstance(value, torch.Tensor) else value
+        return {"value": value, "error": None, "seconds": time.perf_counter() - start}
+    except NotImplementedError as error:
+        return {"value": None, "error": f"not done: {error}", "seconds": time.perf_counter() - start}
+    except Exception as error:  # noqa: BLE001 - the lab reports whatever the learner's code raised
+        return {"value": None, "error": _describe(error), "seconds": time.perf_counter() - start}
+
+
+def verdict(name: str, outcomes: list[dict]) -> tuple[bool, list[str]]:
+    """(passed, one line per rank): each rank's result or error, and whether it is the expected answer."""
+    function, _ = LAB_CASES[name]
+    lines, passed = [], True
+    for rank, outcome in enumerate(outcomes):
+        _, expected = _inputs(name, rank, len(outcomes))
+        if outcome["error"]:
+            lines.append(f"rank {rank}: {function} {outcome['error']}")
+            passed = False
+        elif not _same(outcome["value"], expected):
+            lines.append(f"rank {rank}: {function} returned {outcome['value']!r}, not {expected!r}")
+            passed = False
+        else:
+            lines.append(f"rank {rank}: {function} returned {outcome['value']!r} (right)")
+    return passed, lines
+
+
+def _same(value, expected) -> bool:
+    if isinstance(expected, list):
+        same_length = isinstance(value, list) and len(value) == len(expected)
+        return same_length and all(_same(v, e) for v, e in zip(value, expected))
+    return isinstance(value, (int, float)) and abs(value - expected) < 1e-9
+
+
+def hint(name: str) -> str:
+    return LAB_CASES[name][1]
+
+
+def first_cause(lines: list[str]) -> str:
+    """The line closest to the cause: a rank that raised, then a mismatch, a wait, a wrong value, a lost peer."""
+    order = ("raised", "mismatch", "never joined", "not done", "returned", "stuck")
+    failing = [line for line in lines if not line.endswith("(right)")]
+    return min(failing, key=lambda line: next((i for i, w in enumerate(order) if w in line), len(order)), default="")
+
+
+def failure(name: str, outcomes: list[dict], todo: int) -> str | None:
+    """None when the case passed; else the test's message: the TODO, the rank closest to the cause, a hint,
+    then what every rank did."""
+    passed, lines = verdict(name, outcomes)
+    if passed:
+        return None
+    return f"TODO {todo}: {first_cause(lines)}. Hint: {hint(name)}.\nEvery rank:\n" + "\n".join(lines)
