@@ -3,9 +3,9 @@
     torchrun --nproc_per_node=2 tests/workers/tp_units.py exercises/04_tensor_parallel.py results.json
 
 TODOs 1, 2, 3 and 5: the learner's pieces against nn.Linear, a sum, a concatenation (utils/tensor_parallel.py).
-TODOs 4 and 6 need the pieces of the others: the learner's tensor_parallel_block (TODO 4) and
-allreduce_sequence_parallel_grads (TODO 6) run with the reference solution's layers, so that each is checked on
-its own; the reference is the course model on one process (utils/model.py): its loss and every gradient.
+Each check depends on its own TODO only: the layers of TODOs 2 and 3 run with the reference solution's f and g,
+the block (TODO 4) and the SP gradients (TODO 6) with the reference's layers, and are compared with the course
+model on one process (utils/model.py): its loss and every gradient.
 """
 
 import importlib.util
@@ -26,8 +26,6 @@ from utils.model import ModelConfig, build_model, loss_fn  # noqa: E402
 
 CONFIG = ModelConfig(seq_len=8, dim=16, n_heads=4, n_layers=2)
 TOLERANCE = 1e-5  # a whole model's gradients in float32
-SCAFFOLD = ("CopyToParallelRegion", "ReduceFromParallelRegion", "GatherSequence", "ReduceScatterSequence")
-SCAFFOLD += ("Split", "Gather", "ColumnParallelLinear", "RowParallelLinear", "tensor_parallel_block")
 
 
 def load(path, name: str):
@@ -73,16 +71,12 @@ def compare_model(todo: int, lesson, scaffold, group, sequence_parallel: bool, s
 
 def check_block(lesson, scaffold, group, device):
     """TODO 4 with the reference f/g, layers and SP pair (and its gradient all-reduce), with and without SP."""
-    for name in SCAFFOLD[:-1]:
-        setattr(lesson, name, getattr(scaffold, name))
     for sp in (False, True):
         compare_model(4, lesson, scaffold, group, sp, scaffold.allreduce_sequence_parallel_grads if sp else no_sync)
 
 
 def check_sequence_parallel_grads(lesson, scaffold, group, device):
     """TODO 6 with the reference block and layers."""
-    for name in SCAFFOLD:
-        setattr(lesson, name, getattr(scaffold, name))
     compare_model(6, lesson, scaffold, group, True, lesson.allreduce_sequence_parallel_grads)
 
 
@@ -106,14 +100,17 @@ def no_sync(model, group):
     pass
 
 
-CHECKS = {
-    "todo1": lambda lesson, scaffold, group, device: tp_checks.check_f_and_g(lesson, group, device),
-    "todo2": lambda lesson, scaffold, group, device: tp_checks.check_column(lesson, group, device),
-    "todo3": lambda lesson, scaffold, group, device: tp_checks.check_row(lesson, group, device),
-    "todo5": lambda lesson, scaffold, group, device: tp_checks.check_sequence_pair(lesson, group, device),
-    "todo4": check_block,  # after the checks of the learner's own layers: it replaces them by the reference's
-    "todo6": check_sequence_parallel_grads,
-    "dtensor_refuses_sequence": check_dtensor_refuses_sequence,
+PAIR = ("CopyToParallelRegion", "ReduceFromParallelRegion")  # the reference's f and g, for TODOs 2 and 3
+LAYERS = PAIR + ("GatherSequence", "ReduceScatterSequence", "Split", "Gather", "ColumnParallelLinear")
+LAYERS += ("RowParallelLinear",)
+CHECKS = {  # name: (check, the learner's names replaced by the reference's first), in TODO order
+    "todo1": (lambda lesson, scaffold, group, device: tp_checks.check_f_and_g(lesson, group, device), ()),
+    "todo5": (lambda lesson, scaffold, group, device: tp_checks.check_sequence_pair(lesson, group, device), ()),
+    "todo2": (lambda lesson, scaffold, group, device: tp_checks.check_column(lesson, group, device), PAIR),
+    "todo3": (lambda lesson, scaffold, group, device: tp_checks.check_row(lesson, group, device), PAIR),
+    "todo4": (check_block, LAYERS),
+    "todo6": (check_sequence_parallel_grads, LAYERS + ("tensor_parallel_block",)),
+    "dtensor_refuses_sequence": (check_dtensor_refuses_sequence, ()),
 }
 
 
@@ -124,7 +121,9 @@ def main():
     scaffold = load(ROOT / "solutions" / "04_tensor_parallel.py", "lesson04_reference")
     group = dist.group.WORLD
     results = {}
-    for name, check in CHECKS.items():
+    for name, (check, replaced) in CHECKS.items():
+        for attribute in replaced:  # so that this check depends on its own TODO only
+            setattr(lesson, attribute, getattr(scaffold, attribute))
         try:
             check(lesson, scaffold, group, device)
             results[name] = "ok"
