@@ -12,8 +12,8 @@ With --sequence-parallel, the norms and residual adds work on 1/N of the sequenc
 an all-gather (entering a region) + a reduce-scatter (leaving it): the same bytes. What it saves, and what
 it does not: the norms' inputs and statistics and the residual stream are kept for 1/N of the tokens; the
 norms' gathered outputs, which q/k/v and up keep for backward, stay whole. Korthikanti et al. (2022) and
-Megatron-LM keep only the 1/N slice there too and all-gather it again in backward, for 34 sbh/t bytes per
-layer (fp16, no recomputation) instead of this version's 4 sbh more.
+Megatron-LM keep only the 1/N slice there too and all-gather it again in backward: 34 sbh/t bytes per layer
+(fp16, attention scores aside), where this version keeps 4 sbh (t-1)/t more (s sequence, b batch, h width).
 
     torchrun --nproc_per_node=2 solutions/04_tensor_parallel.py                          # DTensor parallelize_module
     torchrun --nproc_per_node=4 solutions/04_tensor_parallel.py --tp-impl scratch        # the hand-written f/g layers
@@ -400,7 +400,8 @@ def main():
 
     collectives = counter.table()  # {phase: {kind: [calls, bytes of the whole tensors]}}, step 1
     summary = [
-        f"{phase}: " + ", ".join(f"{n} {kind}" for kind, (n, _) in kinds.items()) for phase, kinds in collectives.items()
+        f"{phase}: " + ", ".join(f"{n} {kind}" for kind, (n, _) in by_kind.items())
+        for phase, by_kind in collectives.items()
     ]
     print0(
         f"collectives in step 1: {' | '.join(summary)} | activations saved for backward: {activation_bytes:,} bytes "
