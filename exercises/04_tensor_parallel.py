@@ -368,7 +368,7 @@ def main():
             yield from loader
 
     # The first step is measured (collectives, saved activations: both slow it down), the others are timed.
-    counter = CollectiveCounter()
+    counter = CollectiveCounter(device=device)  # also checks that DTensor's collectives get `device` tensors
     counter.self_check(device, group)
     logger = Logger(args, total_steps=args.steps)
     throughput = Throughput(device, warmup=1)

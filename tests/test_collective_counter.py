@@ -46,3 +46,7 @@ def test_each_collective_is_counted_once_with_its_whole_bytes(result, phase):
 def test_self_check_passes_and_notices_a_renamed_op(result):
     assert result["self_check"] == "passed"
     assert "counted nothing for one dist.all_reduce" in result["self_check_without_name"], result
+
+
+def test_a_collective_on_another_device_is_refused_by_name(result):
+    assert "got a tensor on cpu, but this rank's collectives run on meta" in result["wrong_device"], result

@@ -5,6 +5,7 @@
     with counter.phase("forward"):
         loss = loss_fn(model(x), y)
     counter.table()                      # {"forward": {"all_reduce": [calls, bytes], ...}}
+    CollectiveCounter(device=device)     # also: refuse a collective whose tensors are not on `device`'s kind
 
 What is counted: every call of c10d's ops (what `dist.all_reduce` & co. run, their `*_coalesced` forms, all-to-all,
 broadcast) and of the functional collectives DTensor and FSDP2 issue (`_c10d_functional`), grouped into five kinds:
@@ -91,10 +92,13 @@ def _whole_bytes(where: str, args) -> int:
 class CollectiveCounter(TorchDispatchMode):
     """Counts collectives by phase: `with counter.phase(name):` (or `with counter:` for the phase "all")."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
+        """device: also check that every counted collective's tensors are on this kind of device (NCCL rejects
+        CPU tensors, gloo GPU ones); this sees the functional collectives that the dist.* wrappers of
+        COURSE_CHECK_DEVICE=1 do not (DTensor's, FSDP2's)."""
         super().__init__()
         self.calls, self.bytes = Counter(), Counter()  # (phase, kind) -> count / bytes
-        self.current = "all"
+        self.current, self.device = "all", device
 
     @contextmanager
     def phase(self, name: str):
@@ -113,9 +117,21 @@ class CollectiveCounter(TorchDispatchMode):
             return NotImplemented  # let DTensor turn its op into plain-tensor ops and collectives first
         kind = KINDS.get(func.namespace, {}).get(func._overloadpacket.__name__)
         if kind is not None:
+            if self.device is not None:
+                self._check_device(func, args)
             self.calls[self.current, kind[0]] += 1
             self.bytes[self.current, kind[0]] += _whole_bytes(kind[1], args)
         return func(*args, **kwargs)
+
+    def _check_device(self, func, args):
+        for value in args:
+            for tensor in value if isinstance(value, (list, tuple)) else [value]:
+                for t in tensor if isinstance(tensor, (list, tuple)) else [tensor]:
+                    if isinstance(t, torch.Tensor) and t.device.type != self.device.type:
+                        raise CourseError(
+                            f"{func} got a tensor on {t.device}, but this rank's collectives run on {self.device}: "
+                            "create it on `device` (from setup()) or move the model there"
+                        )
 
     def table(self) -> dict[str, dict[str, list[int]]]:
         """{phase: {kind: [calls, bytes]}}: phases in the order they ran, kinds sorted by name."""

@@ -66,12 +66,21 @@ def main():
     result = {"table": counter.table(), "phases": list(operations)}
     counter.self_check(device)
     result["self_check"] = "passed"
-    del collective_counter.KINDS["c10d"]["allreduce_"]  # as if a release renamed the op
+    removed = collective_counter.KINDS["c10d"].pop("allreduce_")  # as if a release renamed the op
     try:
         counter.self_check(device)
         result["self_check_without_name"] = "passed"
     except CourseError as error:
         result["self_check_without_name"] = str(error)
+    collective_counter.KINDS["c10d"]["allreduce_"] = removed
+    try:  # a collective on a tensor that is not on the expected device: refused by name
+        with CollectiveCounter(device=torch.device("meta")):
+            dist.all_reduce(ones(4))
+        result["wrong_device"] = "accepted"
+    except CourseError as error:
+        result["wrong_device"] = str(error)
+    with CollectiveCounter(device=device):
+        sharded.redistribute(mesh, [Replicate()]).to_local() + 0  # DTensor's functional collective, on `device`
     if rank == 0:
         out.write_text(json.dumps(result, indent=1))
     destroy_process_group()
