@@ -1,10 +1,13 @@
-"""Lesson 04: N tensor-parallel ranks train exactly like one process, and communicate what the formula says.
+"""Lesson 04: N tensor-parallel ranks train like one process, and communicate what the formula says.
 
 pytest tests/test_04_tensor_parallel.py                      # the solution
 pytest tests/test_04_tensor_parallel.py --target exercises   # your exercise (make check LESSON=04)
 
-Each run is launched once, the first time a test needs it, and shared by the tests below. The reference is
-lesson 00's single-process script on the same batches (every tensor-parallel rank reads the whole batch).
+TODOs 1-6 are checked one at a time on 2 ranks (tests/workers/tp_units.py): the hand-written pieces against
+nn.Linear, and the block and the SP gradients, each with the reference's other pieces, against the course model on
+one process. Whole runs are launched once, the first time a test needs them, and shared by the tests below; their
+reference is lesson 00's single-process script on the same batches (every tensor-parallel rank reads the whole
+batch). The DTensor runs depend on TODO 7 only; the hand-written runs on TODOs 1-6 together ("other checks").
 """
 
 import importlib.util
@@ -27,7 +30,7 @@ COMMON = [
     *["--steps", "3", "--optimizer", "sgd", "--log-every", "1"],
 ]
 RUNS = {f"tp{n}-{impl}{'-sp' * sp}": (n, impl, sp) for n in (2, 4) for impl in ("scratch", "dtensor") for sp in (0, 1)}
-WORKER = ROOT / "tests" / "workers" / "tp_layers.py"
+WORKER = ROOT / "tests" / "workers" / "tp_units.py"
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +57,10 @@ def run(lesson, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def units(lesson, tmp_path_factory):
-    """The layer-level checks of TODOs 1-4 (tests/workers/tp_layers.py), run once on 2 ranks."""
+    """The checks of TODOs 1-6 one at a time (tests/workers/tp_units.py), run once on 2 ranks."""
     out = tmp_path_factory.mktemp("units") / "units.json"
-    result = torchrun(WORKER, 2, [lesson("04"), out], timeout=120)
-    assert result.returncode == 0 and out.exists(), f"the layer checks did not finish:\n{result.tail()}"
+    result = torchrun(WORKER, 2, [lesson("04"), out], timeout=150)
+    assert result.returncode == 0 and out.exists(), f"the TODO checks did not finish:\n{result.tail()}"
     return json.loads(out.read_text())
 
 
@@ -68,54 +71,76 @@ def max_difference(folder, reference) -> tuple[float, str]:
     return max((float((mine[k] - theirs[k]).abs().max()), k) for k in mine)
 
 
-def check_parity(run, name: str, todo: int, hint: str):
+def todo_of(name: str) -> int | None:
+    """The TODO a whole run depends on alone: 7 for DTensor; None for the hand-written ones (TODOs 1-6 together)."""
+    return 7 if "dtensor" in name else None
+
+
+def metrics_of(run, name: str) -> dict:
+    """A finished run's metrics; else a failure naming the TODO it depends on (or the one it stopped at)."""
+    result = run(name)[0]
+    if todo_of(name):
+        return finished(result, todo_of(name))
+    assert result.returncode == 0, f"{name} failed (it needs TODOs 1-6). Its last lines:\n{result.tail()}"
+    return result.metrics
+
+
+def check_parity(run, name: str, hint: str):
+    todo = todo_of(name)
+    prefix = f"TODO {todo}: " if todo else ""
     one, one_folder = run("one")
-    result, folder = run(name)
-    metrics = finished(result, todo)
+    metrics, folder = metrics_of(run, name), run(name)[1]
     difference, where = max_difference(folder, one_folder)
     assert difference <= TOLERANCE, (
-        f"TODO {todo}: after 3 SGD steps, {name} differs from one process by {difference:.1e} on {where} ({hint})"
+        f"{prefix}after 3 SGD steps, {name} differs from one process by {difference:.1e} on {where} ({hint})"
     )
-    assert metrics["losses"] == pytest.approx(one.metrics["losses"], rel=1e-5), f"TODO {todo}: losses differ"
+    assert metrics["losses"] == pytest.approx(one.metrics["losses"], rel=1e-5), f"{prefix}{name}: losses differ"
     assert metrics["param_checksum"] == pytest.approx(one.metrics["param_checksum"], rel=1e-9), (
-        f"TODO {todo}: the full-parameter checksum differs from one process's"
+        f"{prefix}{name}: the full-parameter checksum differs from one process's"
     )
 
 
-def unit(units, todo: int):
-    status = units[f"todo{todo}"]
-    assert status == "ok", f"TODO {todo}: {status}"
+def unit(units, name: str):
+    status = units[name]
+    assert status == "ok", status if status.startswith("TODO") else f"{name}: {status}"
 
 
 def test_todo1_f_and_g_conjugate_pair(units):
-    unit(units, 1)
+    unit(units, "todo1")
 
 
 def test_todo2_column_parallel_linear_matches_nn_linear(units):
-    unit(units, 2)
+    unit(units, "todo2")
 
 
 def test_todo3_row_parallel_linear_matches_nn_linear(units):
-    unit(units, 3)
+    unit(units, "todo3")
 
 
-def test_todo4_sequence_parallel_gather_and_reduce_scatter(units):
-    unit(units, 4)
+def test_todo4_tensor_parallel_block_matches_one_process(units):
+    unit(units, "todo4")
 
 
-@pytest.mark.parametrize("name", ["tp2-scratch", "tp4-scratch"])
-def test_todo5_tensor_parallel_blocks_match_one_process(run, name):
-    check_parity(run, name, 5, "shard q/k/v/up by columns and o/down by rows, and enter each region with f once")
+def test_todo5_sequence_parallel_gather_and_reduce_scatter(units):
+    unit(units, "todo5")
 
 
-@pytest.mark.parametrize("name", ["tp2-scratch-sp", "tp4-scratch-sp"])
-def test_todo6_sequence_parallel_gradients_match_one_process(run, name):
-    check_parity(run, name, 6, "all-reduce the norms' and row biases' partial gradients after backward")
+def test_todo6_sequence_parallel_gradients_match_one_process(units):
+    unit(units, "todo6")
+
+
+def test_dtensor_path_refuses_a_sequence_the_tp_size_does_not_divide(units):
+    unit(units, "dtensor_refuses_sequence")
+
+
+@pytest.mark.parametrize("name", ["tp2-scratch", "tp4-scratch", "tp2-scratch-sp", "tp4-scratch-sp"])
+def test_hand_written_runs_match_one_process(run, name):
+    check_parity(run, name, "TODOs 1-6 together: see which of their own checks fails")
 
 
 @pytest.mark.parametrize("name", ["tp2-dtensor", "tp4-dtensor", "tp2-dtensor-sp", "tp4-dtensor-sp"])
 def test_todo7_parallelize_module_matches_one_process(run, name):
-    check_parity(run, name, 7, "the plan: Colwise q/k/v/up, Rowwise o/down, SequenceParallel norms with SP")
+    check_parity(run, name, "the plan: Colwise q/k/v/up, Rowwise o/down, SequenceParallel norms with SP")
 
 
 def test_todo7_dtensor_placements_and_local_shapes(run):
@@ -129,46 +154,44 @@ def test_todo7_dtensor_placements_and_local_shapes(run):
     assert down["placements"] == ["Shard(dim=1)"] and down["local_shape"] == [D, 4 * D // 4], f"TODO 7: {down}"
 
 
-def expected_communication(name: str) -> dict:
-    """{kind: (collectives, bytes of the full tensors)} per training step, from the formula.
+def expected_activation_collectives(sp: bool) -> dict:
+    """{phase: {kind: [collectives, bytes of the whole tensors]}} of the activations in the first step, by formula.
 
     S = B x T x dim x 4 bytes, one activation of the residual stream. Without SP each block runs g (an all-reduce
-    of S) after attention and after the MLP in forward, and f's all-reduce of S for each in backward: 4L of them.
-    With SP each all-reduce becomes an all-gather (entering a region) and a reduce-scatter (leaving it), forward
-    and backward: 4L of each, plus the two ends of the stack (the head's input gathered in forward, the embeddings'
-    gradient gathered in backward), and the all-reduce of the norms' partial gradients.
+    of S) after attention and after the MLP in forward, and f's all-reduce of S for each in backward. With SP each
+    all-reduce becomes an all-gather (entering a region) and a reduce-scatter (leaving it), in forward and in
+    backward, plus one all-gather at an end of the stack each way (the head's input in forward, the embeddings'
+    gradient in backward). With SP the norms' partial gradients are all-reduced too, by each implementation its own
+    way and at its own time: they are left out here, and parity checks them.
     """
-    _, impl, sp = RUNS[name]
     s = B * T * D * 4
     if not sp:
-        return {"all_reduce": (4 * L, 4 * L * s)}
-    norms = 2 * (2 * L + 1) * D  # weight + bias of two norms per block and the final norm
-    if impl == "scratch":  # one flat all-reduce of the norms' and the row-parallel biases' gradients
-        grads = (1, 4 * (norms + 2 * L * D))
-    else:  # DTensor reduces each norm parameter's Partial gradient on its own (in the optimizer step); its row
-        grads = (2 * (2 * L + 1), 4 * norms)  # biases' gradients come out whole without a collective of their own
-    return {"all_gather": (4 * L + 2, (4 * L + 2) * s), "all_reduce": grads, "reduce_scatter": (4 * L, 4 * L * s)}
+        return {phase: {"all_reduce": [2 * L, 2 * L * s]} for phase in ("forward", "backward")}
+    each_way = {"all_gather": [2 * L + 1, (2 * L + 1) * s], "reduce_scatter": [2 * L, 2 * L * s]}
+    return {"forward": each_way, "backward": each_way}
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_communication_counted_equals_formula(run, name):
-    metrics = finished(run(name)[0], 7 if "dtensor" in name else 5)
+def check_activation_collectives(run, name: str):
+    todo = todo_of(name)
+    metrics = metrics_of(run, name)
+    table, sp = metrics["collectives_step1"], RUNS[name][2]
     counted = {
-        k: (metrics["collectives_per_step"][k], metrics["comm_bytes_per_step"][k])
-        for k in metrics["collectives_per_step"]
+        phase: {kind: value for kind, value in table.get(phase, {}).items() if not (sp and kind == "all_reduce")}
+        for phase in ("forward", "backward")
     }
-    assert counted == expected_communication(name), f"{name}: counted {counted}, formula {expected_communication(name)}"
+    assert counted == expected_activation_collectives(sp), (
+        f"{f'TODO {todo}: ' if todo else ''}{name}: counted {counted}, formula {expected_activation_collectives(sp)}"
+    )
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_sequence_parallel_sends_the_same_bytes_per_block(run, n):
-    """On a ring, an all-reduce of S sends 2(n-1)/n S per rank; a reduce-scatter or an all-gather (n-1)/n S."""
-    tp, sp = finished(run(f"tp{n}-scratch")[0], 5), finished(run(f"tp{n}-scratch-sp")[0], 6)
-    ring = (n - 1) / n
-    tp_bytes = 2 * ring * tp["comm_bytes_per_step"]["all_reduce"]
-    ends = 2 * B * T * D * 4  # SP's two extra gathers at the ends of the stack
-    sp_bytes = ring * (sp["comm_bytes_per_step"]["all_gather"] - ends + sp["comm_bytes_per_step"]["reduce_scatter"])
-    assert sp_bytes == pytest.approx(tp_bytes), f"the blocks send {sp_bytes} bytes with SP, {tp_bytes} without"
+@pytest.mark.parametrize("name", [name for name in RUNS if "scratch" in name])
+def test_hand_written_activation_collectives_equal_the_formula(run, name):
+    check_activation_collectives(run, name)
+
+
+@pytest.mark.parametrize("name", [name for name in RUNS if "dtensor" in name])
+def test_todo7_activation_collectives_equal_the_formula(run, name):
+    check_activation_collectives(run, name)
 
 
 def activation_estimate(n: int, sp: bool) -> int:
@@ -191,7 +214,7 @@ def activation_estimate(n: int, sp: bool) -> int:
 def test_activation_memory_matches_estimate_and_sequence_parallel_saves(run, n):
     sizes = {}
     for name in (f"tp{n}-dtensor", f"tp{n}-dtensor-sp", f"tp{n}-scratch", f"tp{n}-scratch-sp"):
-        metrics = finished(run(name)[0], 7 if "dtensor" in name else 5)
+        metrics = metrics_of(run, name)
         sizes[name] = metrics["activation_bytes"]
         estimate = activation_estimate(n, name.endswith("sp"))
         assert sizes[name] == pytest.approx(estimate, rel=0.05), (
@@ -208,7 +231,7 @@ def test_parameter_bytes_per_rank_shrink_with_tp(run):
     replicated = v * D + T * D + L * (4 * D + 2 * D) + 2 * D + D * v + v
     for n in (2, 4):
         for name in (f"tp{n}-scratch", f"tp{n}-dtensor"):
-            metrics = finished(run(name)[0], 7 if "dtensor" in name else 5)
+            metrics = metrics_of(run, name)
             assert metrics["bytes_per_rank"]["params"] == 4 * (replicated + sharded // n), name
 
 
@@ -232,6 +255,15 @@ def test_refuses_a_tp_size_that_does_not_divide_heads_or_sequence(lesson, tmp_pa
     assert "Traceback" not in refused.output.split("ERROR:")[0], "a one-line message, not a traceback"
 
 
+def test_refuses_autocast_instead_of_ignoring_it(lesson, monkeypatch, capsys):
+    """The script trains in fp32 only (parity needs it): --autocast is refused before any process group starts."""
+    module = load_lesson(lesson("04"))
+    monkeypatch.setattr("sys.argv", ["04_tensor_parallel.py", *map(str, COMMON), "--autocast", "bf16"])
+    with pytest.raises(SystemExit) as stopped:
+        module.main()
+    assert stopped.value.code == 2 and "unrecognized arguments: --autocast bf16" in capsys.readouterr().err
+
+
 def test_rank0_prints_once_and_finishes(run):
     result, _ = run("tp4-dtensor-sp")
     finished(result, 7)
@@ -240,18 +272,40 @@ def test_rank0_prints_once_and_finishes(run):
     assert sum(line.startswith("FINISHED") for line in lines) == 1, "print with print0: once, from rank 0"
 
 
-def test_untouched_exercise_stops_at_once_naming_a_todo(tmp_path):
-    """The generated exercise (not your edited copy) stops at the first TODO it meets, on every rank at once."""
+def test_untouched_exercise_stops_at_once_at_the_first_todo(tmp_path):
+    """The generated exercise (not your edited copy) stops at the first TODO it meets, on every rank at once:
+    the hand-written path at TODO 1 (the script checks its pieces in TODO order before training)."""
     solution = ROOT / "solutions" / "04_tensor_parallel.py"
     exercise = tmp_path / "exercises" / solution.name
     exercise.parent.mkdir()
     exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
     env = course_env(PYTHONPATH=ROOT)  # the copy lives outside the course folder
-    for impl, todo in (
-        ("dtensor", "TODO 7: the same layout with DTensor"),
-        ("scratch", "TODO 5: a tensor-parallel block"),
+    for extra, todo in (
+        (["--tp-impl", "dtensor"], "TODO 7: the same layout with DTensor"),
+        (["--tp-impl", "scratch", "--sequence-parallel"], "TODO 1: the conjugate pair f and g"),
     ):
-        result = torchrun(
-            exercise, 2, [*COMMON, "--tp-impl", impl, "--log-dir", tmp_path / "runs"], timeout=90, env=env
-        )
+        result = torchrun(exercise, 2, [*COMMON, *extra, "--log-dir", tmp_path / "runs"], timeout=90, env=env)
         assert result.returncode != 0 and f"ERROR: {todo} is not done yet" in result.output, result.tail()
+
+
+def only_todo_undone(solution_text: str, number: int) -> str:
+    """The solution with only TODO `number`'s region replaced by what the exercise has there."""
+    exercise = make_exercise(solution_text, "04_tensor_parallel.py")[0]
+    header = re.compile(rf"^\s*# TODO {number}: ")
+    start = next(i for i, line in enumerate(solution_text.splitlines()) if header.match(line))
+    lines = solution_text.splitlines()
+    begin = lines.index(next(line for line in lines[start:] if line.strip() == "# BEGIN SOLUTION"), start)
+    end = lines.index(next(line for line in lines[begin:] if line.strip() == "# END SOLUTION"), begin)
+    stub = next(line for line in exercise.splitlines() if f'NotImplementedError("TODO {number}:' in line)
+    return "\n".join(lines[:begin] + [stub] + lines[end + 1 :]) + "\n"
+
+
+def test_an_exercise_without_todo6_stops_there_on_a_sequence_parallel_run(tmp_path):
+    """Without TODO 6 the norms' gradients would stay partial and an SP run would train wrong, silently: it stops."""
+    solution = ROOT / "solutions" / "04_tensor_parallel.py"
+    script = tmp_path / solution.name
+    script.write_text(only_todo_undone(solution.read_text(), 6))
+    args = [*COMMON, "--tp-impl", "scratch", "--sequence-parallel", "--log-dir", tmp_path / "runs"]
+    result = torchrun(script, 2, args, timeout=90, env=course_env(PYTHONPATH=ROOT))
+    assert result.returncode != 0, result.tail()
+    assert "ERROR: TODO 6: sequence-parallel gradients is not done yet" in result.output, result.tail()
