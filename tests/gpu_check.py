@@ -65,6 +65,7 @@ CHECKS = [
     Check("03", "fsdp bf16", [*SMALL, "--strategy", "fsdp", "--precision", "bf16"], LOW_PRECISION_RTOL),
     Check("04", "TP from scratch", [*SMALL, "--tp-impl", "scratch"]),
     Check("04", "TP from scratch + SP", [*SMALL, "--tp-impl", "scratch", "--sequence-parallel"]),
+    Check("04", "DTensor TP", [*SMALL, "--tp-impl", "dtensor"]),
     Check("04", "DTensor TP + SP", [*SMALL, "--tp-impl", "dtensor", "--sequence-parallel"]),
     *(Check("05", f"{impl} {schedule}", [*SMALL, "--pp-impl", impl, "--schedule", schedule])
       for impl, schedule in (("scratch", "gpipe"), ("scratch", "1f1b"), ("builtin", "gpipe"), ("builtin", "1f1b"))),
@@ -103,6 +104,8 @@ def launch(check: Check, nproc: int, folder: Path, env: dict) -> Run:
     args = [*check.args, *(["--log-dir", folder / "runs"] if check.logs else [])]
     if check.lesson == "08":
         args += ["--checkpoint-dir", folder / "checkpoints"]
+    if check.lesson == "04" and nproc > 4:  # heads (and the width) must split over the GPUs
+        args += ["--n-heads", str(nproc), "--dim", str(16 * nproc)]
     if check.lesson == "05":  # two blocks per rank (interleaved puts two stages on each), a micro-batch per stage
         args += ["--n-layers", str(2 * nproc), "--microbatches", str(max(4, nproc))]
     return torchrun(lesson_script(check.lesson), nproc, args, tmp_path=folder, env=env, timeout=600)
