@@ -267,10 +267,13 @@ def is_root_process() -> bool:
     return _root_cache()
 
 
-def print0(*args, **kwargs):
-    """print() on rank 0 only, flushed so that logs interleave in order."""
+def print0(*args, sep=" ", end="\n", **kwargs):
+    """print() on rank 0 only, flushed so that logs interleave in order.
+
+    The line and its end go out in one write: unbuffered (PYTHONUNBUFFERED=1, as torchrun's workers often run),
+    print() writes them separately, and another rank's line can land between the two."""
     if is_root_process():
-        print(*args, **kwargs, flush=True)
+        print(sep.join(map(str, args)) + end, end="", flush=True, **kwargs)
 
 
 def save0(obj, path):

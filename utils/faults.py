@@ -17,7 +17,7 @@ def crash(rank: int, where: str, checkpoint_dir: Path):
     """SIGKILL this process, as the kernel's OOM killer or a failed node would (no handler, no clean-up runs)."""
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     (checkpoint_dir / KILLED_AT).write_text(f"{time.time()!r}\n")
-    print(f"[rank {rank}] killed with SIGKILL {where}", flush=True)
+    print(f"[rank {rank}] killed with SIGKILL {where}\n", end="", flush=True)  # one write: whole among the ranks' lines
     os.kill(os.getpid(), signal.SIGKILL)
 
 
