@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tests.launch import ROOT, _run, course_env
+from tests.launch import ROOT, course_env, torchrun
 
 LOSS_RTOL = 1e-5  # the same fp32 SGD steps on two torch releases: rounding, not algorithm, may differ
 SMALL = ["--steps", "3", "--optimizer", "sgd", "--log-every", "1"]
@@ -39,14 +39,11 @@ def version_of(python: str) -> str:
 
 
 def launch(python: str, script: Path, nproc: int, args: list, folder: Path):
-    folder.mkdir(parents=True, exist_ok=True)
     extra = ["--checkpoint-dir", folder / "checkpoints"] if script.name.startswith("08_") else []
     if not script.name.startswith("01_"):
         extra += ["--log-dir", folder / "runs"]
-    metrics = folder / "metrics.json"
-    command = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-               *map(str, [*args, *extra]), "--metrics-out", str(metrics)]  # fmt: skip
-    return _run(command, 300, course_env(CUDA_VISIBLE_DEVICES=""), metrics)
+    return torchrun(script, nproc, [*args, *extra], tmp_path=folder, timeout=300,
+                    env=course_env(CUDA_VISIBLE_DEVICES=""), python=python)  # fmt: skip
 
 
 def collective_results(output: str) -> list[str]:

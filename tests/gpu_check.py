@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from tests.launch import ROOT, Run, _run, course_env, torchrun
+from tests.launch import ROOT, Run, course_env, torchrun
 from utils.model import GPU_EXAMPLE, TINY, ModelConfig, flops_per_token
 
 FP32_RTOL = 1e-4  # relative difference of each logged loss, GPU vs CPU, after a few fp32 SGD steps
@@ -151,16 +151,9 @@ def check_resume_after_kill(gpus: int, tmp: Path) -> list[str]:
     runs = {}
     for name, extra, restarts in (("reference", [], 0), ("killed", ["--crash-at-step", "5", "--crash-rank", "0"], 1)):
         folder = tmp / "08" / f"resume_{name}"
-        folder.mkdir(parents=True, exist_ok=True)
-        metrics = folder / "metrics.json"
-        metrics.unlink(missing_ok=True)
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-            f"--max-restarts={restarts}", str(script), *map(str, common + extra),
-            "--checkpoint-dir", str(folder / "checkpoints"), "--log-dir", str(folder / "runs"),
-            "--metrics-out", str(metrics),
-        ]  # fmt: skip
-        runs[name] = _run(command, 600, gpu_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, COURSE_NO_PROGRESS=1), metrics)
+        args = [*common, *extra, "--checkpoint-dir", folder / "checkpoints", "--log-dir", folder / "runs"]
+        env = gpu_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, COURSE_NO_PROGRESS=1)
+        runs[name] = torchrun(script, gpus, args, tmp_path=folder, timeout=600, env=env, max_restarts=restarts)
         if runs[name].returncode != 0 or runs[name].metrics is None:
             return [f"the {name} GPU run failed (exit {runs[name].returncode}):\n{runs[name].tail(25)}"]
     reference, killed = runs["reference"].metrics, runs["killed"].metrics

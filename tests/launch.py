@@ -62,11 +62,13 @@ def course_env(**extra) -> dict:
     return env
 
 
-def torchrun(script, nproc: int, args=(), *, tmp_path=None, timeout: float = 180, env=None) -> Run:
-    """Launch `script` with `nproc` processes on this machine; pass --metrics-out if tmp_path is given."""
+def torchrun(script, nproc: int, args=(), *, tmp_path=None, timeout: float = 180, env=None, max_restarts: int = 0,
+             python=sys.executable) -> Run:  # fmt: skip
+    """Launch `script` with `nproc` processes on this machine; pass --metrics-out if tmp_path is given.
+    max_restarts: torchrun restarts the workers that many times after a failure. python: another environment's."""
     command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc_per_node={nproc}",
+        str(python), "-m", "torch.distributed.run",
+        "--standalone", f"--nproc_per_node={nproc}", *([f"--max-restarts={max_restarts}"] if max_restarts else []),
         str(script), *map(str, args),
     ]  # fmt: skip
     return _run(command, timeout, env or course_env(), _metrics_path(command, script, tmp_path, str(nproc)))
