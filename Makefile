@@ -2,6 +2,7 @@
 #   make lab                 open the course: JupyterLab on the notebooks
 #   make test                every check on the CPU: lint, exercises in sync, tests, notebooks (what CI runs)
 #   make check LESSON=01     check your completed exercise for one lesson: one line per TODO
+#   make notebooks [LESSON=01]  instructors: run the notebooks (nbval), with each notebook's time
 #   make mutants [LESSON=03] instructors: the plausible mistakes each TODO's tests must catch (tests/mutants/)
 #   make test-gpu            instructors on a GPU node: every lesson with NCCL on the GPUs, against the CPU
 #   make test-floor          every lesson at 2 ranks under the oldest supported torch (.venv-floor), against .venv
@@ -34,7 +35,7 @@ define install_torch
 	else $(1) install --quiet "torch==$(2)"; fi
 endef
 
-.PHONY: setup lab test lint check mutants test-gpu test-floor exercises clean
+.PHONY: setup lab test lint check notebooks mutants test-gpu test-floor exercises clean
 
 $(VENV)/.installed: requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,7 +57,12 @@ lint: setup
 # tests compare against them (CUDA_VISIBLE_DEVICES= hides the GPUs from every process started here).
 test: lint
 	$(BIN)/python -m utils.make_exercises --check
-	CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest tests/ notebooks/ --nbval
+	CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest tests/ notebooks/ --nbval --durations=30
+
+# Instructors: run the notebooks only (all, or LESSON=NN), each as a learner would, against its committed outputs.
+notebooks: setup
+	CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest --nbval \
+		$(if $(filter command line,$(origin LESSON)),notebooks/$(LESSON)_*.ipynb,notebooks/)
 
 check: setup
 	@# pytest's own report is silenced; tests/todo_report.py prints one line per TODO and a count

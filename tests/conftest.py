@@ -1,5 +1,6 @@
 """Shared test options: which copy of the lessons to test (solutions/ or a learner's exercises/)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,13 @@ def target_folder(config) -> Path:
 
 
 def pytest_configure(config):
+    # The suite never downloads, and the notebooks' kernels inherit this: their launches then read what the
+    # tests' launches read (HF_* at `import datasets`), so both can use the session's warm ranks.
+    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    if getattr(config.option, "nbval", False) and os.environ.get("COURSE_COLD_RANKS") != "1":
+        from tests.launch import course_env, warm_pool
+
+        warm_pool(course_env())  # started before the first kernel, so that every kernel finds it
     if config.getoption("--target", default="solutions") == "exercises" or config.getoption("--target-dir"):
         from tests.todo_report import TodoReport
 
@@ -52,3 +60,22 @@ def lesson(request):
         return matches[0]
 
     return find
+
+
+# Each notebook's time (its cells' set-up, run and tear-down summed), printed at the end of a run with
+# notebooks: the figure `make notebooks` reports and the README quotes in words.
+_notebook_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    if path.endswith(".ipynb"):
+        _notebook_seconds[path] = _notebook_seconds.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _notebook_seconds:
+        terminalreporter.section("time per notebook")
+        for path, seconds in sorted(_notebook_seconds.items()):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {path}")
+        terminalreporter.write_line(f"{sum(_notebook_seconds.values()):7.1f} s  in all")

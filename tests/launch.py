@@ -2,8 +2,15 @@
 
 Every launch has a timeout: a hung collective fails the test with the script's output instead of
 hanging the suite. The script's metrics JSON (--metrics-out) comes back as a dict.
+
+Launches are warm by default: the ranks fork from a process that imported torch once
+(utils/warm_ranks.py says what that changes), which makes a short launch take a second instead of
+ten on 2 cores. Each script's first torchrun launch in a session runs torchrun itself, so every lesson
+still runs as a learner runs it; so do launches with `cold=True`, `max_restarts`, another
+environment's python, an environment that an import reads differently, or COURSE_COLD_RANKS=1.
 """
 
+import atexit
 import json
 import os
 import re
@@ -13,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils.notebook import kill_tree
+from utils.warm_ranks import SOCKET_VARIABLE, WarmRanks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,21 +71,70 @@ def course_env(**extra) -> dict:
 
 
 def torchrun(script, nproc: int, args=(), *, tmp_path=None, timeout: float = 180, env=None, max_restarts: int = 0,
-             python=sys.executable) -> Run:  # fmt: skip
+             python=sys.executable, cold: bool | None = None) -> Run:  # fmt: skip
     """Launch `script` with `nproc` processes on this machine; pass --metrics-out if tmp_path is given.
-    max_restarts: torchrun restarts the workers that many times after a failure. python: another environment's."""
+    max_restarts: torchrun restarts the workers that many times after a failure. python: another environment's.
+    cold: True starts torchrun itself, False warm ranks where they can, even for the script's first launch."""
     command = [
         str(python), "-m", "torch.distributed.run",
         "--standalone", f"--nproc_per_node={nproc}", *([f"--max-restarts={max_restarts}"] if max_restarts else []),
         str(script), *map(str, args),
     ]  # fmt: skip
-    return _run(command, timeout, env or course_env(), _metrics_path(command, script, tmp_path, str(nproc)))
+    env = env or course_env()
+    metrics_path = _metrics_path(command, script, tmp_path, str(nproc))
+    if cold is None:  # each script's first launch in a session: torchrun itself
+        cold = Path(script).resolve() not in _started_by_torchrun
+    if not (cold or max_restarts or str(python) != sys.executable) and (pool := warm_pool(env)):
+        return _run_warm(pool, command, script, nproc, timeout, env, metrics_path)
+    _started_by_torchrun.add(Path(script).resolve())
+    return _run(command, timeout, env, metrics_path)
 
 
-def python(script, args=(), *, tmp_path=None, timeout: float = 120, env=None) -> Run:
+def python(script, args=(), *, tmp_path=None, timeout: float = 120, env=None, cold: bool = False) -> Run:
     """Run `script` as a plain `python script.py` (a world of one, no torchrun)."""
     command = [sys.executable, str(script), *map(str, args)]
-    return _run(command, timeout, env or course_env(), _metrics_path(command, script, tmp_path, "python"))
+    env = env or course_env()
+    metrics_path = _metrics_path(command, script, tmp_path, "python")
+    if not cold and (pool := warm_pool(env)):
+        return _run_warm(pool, command, script, None, timeout, env, metrics_path)
+    return _run(command, timeout, env, metrics_path)
+
+
+_pool = None
+_started_by_torchrun = set()  # the scripts this session has launched with torchrun itself
+
+
+def warm_pool(env: dict):
+    """The session's warm-ranks pool if a launch with `env` can use it: the one this session's conftest
+    started, else one started now (and stopped when the session ends)."""
+    global _pool
+    if os.environ.get("COURSE_COLD_RANKS") == "1":
+        return None
+    if _pool is None:
+        _pool = WarmRanks.from_environment()
+    if _pool is None:
+        _pool = WarmRanks.start(course_env())
+        os.environ[SOCKET_VARIABLE] = _pool.path
+        atexit.register(_pool.stop)
+    return _pool if _pool.can_launch(env) else None
+
+
+def _run_warm(pool, command, script, nproc, timeout, env, metrics_path) -> Run:
+    """_run's result for a launch on warm ranks: the same output, exit code and timeout message."""
+    args = command[command.index(str(script)) + 1 :]
+    try:
+        code, output, _ = pool.run(script, args, nproc=nproc, env=env, cwd=ROOT, timeout=timeout)
+    except TimeoutError as stopped:
+        tail = "\n".join(str(stopped).splitlines()[-40:])
+        command_line = " ".join(command)
+        raise AssertionError(f"`{command_line}` did not finish within {timeout} s. Its last lines:\n{tail}") from None
+    return Run(command, code, output, _metrics(metrics_path, code))
+
+
+def _metrics(metrics_path, returncode: int) -> dict | None:
+    if metrics_path is not None and returncode == 0 and metrics_path.exists():
+        return json.loads(metrics_path.read_text())
+    return None
 
 
 def _metrics_path(command: list, script, tmp_path, tag: str) -> Path | None:
@@ -106,7 +163,4 @@ def _run(command, timeout, env, metrics_path) -> Run:
         raise AssertionError(
             f"`{' '.join(command)}` did not finish within {timeout} s. Its last lines:\n{tail}"
         ) from None
-    metrics = None
-    if metrics_path is not None and process.returncode == 0 and metrics_path.exists():
-        metrics = json.loads(metrics_path.read_text())
-    return Run(command, process.returncode, output, metrics)
+    return Run(command, process.returncode, output, _metrics(metrics_path, process.returncode))
