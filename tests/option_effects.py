@@ -25,9 +25,15 @@ from utils.model import ModelConfig, build_model, loss_fn
 LOSS_TOLERANCE = 1e-5  # relative: fp32, the same operations in the same order, up to the summation order
 
 
-def passed(run: Run, option: str) -> str | bool:
-    """The value `option` had on the run's command line (True for a flag); fails if it was not passed."""
+REQUIRED = object()
+
+
+def passed(run: Run, option: str, default=REQUIRED) -> str | bool:
+    """The value `option` had on the run's command line (True for a flag); `default` if it was not passed
+    (fails if no default is given)."""
     command = [str(part) for part in run.command]
+    if option not in command and default is not REQUIRED:
+        return default
     assert option in command, f"{option} was not passed to this run: {' '.join(command)}"
     at = command.index(option)
     value = command[at + 1] if at + 1 < len(command) else None
@@ -57,14 +63,15 @@ def written_out_training(command: Run, order: str, samples_per_step: int, lr: fl
     (a DistributedSampler of one replica seeded with --seed, as the data-parallel lessons).
     lr_factor(s): the learning-rate factor of step s + 1 (a schedule), 1 if None.
     """
-    seed, steps = int(passed(command, "--seed")), int(passed(command, "--steps"))
+    seed, steps = int(passed(command, "--seed", 0)), int(passed(command, "--steps"))
     config = ModelConfig(
         seq_len=int(passed(command, "--seq-len")),
         dim=int(passed(command, "--dim")),
         n_layers=int(passed(command, "--n-layers")),
         n_heads=int(passed(command, "--n-heads")),
     )
-    data = load_token_dataset(passed(command, "--dataset"), config.seq_len, "train", cache_dir=passed(command, "--data-dir"))
+    dataset, data_dir = passed(command, "--dataset", "synthetic"), passed(command, "--data-dir", None)
+    data = load_token_dataset(dataset, config.seq_len, "train", cache_dir=data_dir)
     if order == "generator":
         generator = torch.Generator().manual_seed(seed)
         loader = DataLoader(data, batch_size=samples_per_step, shuffle=True, drop_last=True, generator=generator)
