@@ -441,7 +441,6 @@ def steps_until_converged(losses: list[float], target: float) -> int:
 def main():
     parser = CourseArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=5, help="timed rounds per message size")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--sizes", type=size_list, default="1K,32K,1M,16M", help="message sizes in bytes (K and M suffixes)"
     )
@@ -454,7 +453,8 @@ def main():
     args.sizes_text = ",".join(f"{s >> 20}M" if s % (1 << 20) == 0 else f"{s >> 10}K" if s % 1024 == 0 else str(s)
                                for s in args.sizes)  # fmt: skip
 
-    local_rank, rank, device, world_size = setup(args.seed)
+    # No --seed: nothing here draws from the global generator (part 2's random tensors have generators of their own).
+    local_rank, rank, device, world_size = setup()
     print0(f"world size {world_size}, backend {dist.get_backend()}, device {device.type}")
 
     print0("\nPart 1: the collectives, rank by rank")

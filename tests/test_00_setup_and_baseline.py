@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.launch import ROOT, course_env, python, torchrun
+from tests.option_effects import check_shared_options, fake_wikitext
 from utils.data import load_token_dataset
 from utils.metrics import param_checksum
 from utils.model import TINY, ModelConfig, build_model, loss_fn
@@ -157,3 +158,16 @@ def test_wikitext_without_prepared_cache_stops_at_once(lesson, tmp_path):
     assert "python -m utils.data prepare --dataset wikitext" in run.output, run.tail()
     assert "Traceback" not in run.output
     assert elapsed < 20, f"took {elapsed:.0f} s: the missing cache must be found before any download attempt"
+
+
+def test_shared_options_change_the_run(lesson, tmp_path):
+    """Every option of the shared command line, at a value other than its default, trains another run: the one
+    the same steps written out with PyTorch alone give (tests/option_effects.py), logged where it says."""
+    fake_wikitext(tmp_path / "data")
+    args = [
+        "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",
+        "--data-dir", tmp_path / "data", "--seq-len", 16, "--dim", 24, "--n-layers", 1, "--n-heads", 3,
+        "--log-dir", tmp_path / "runs", "--log-every", 2, "--wandb", "--checkpoint", tmp_path / "model.pt",
+        "--metrics-out", tmp_path / "metrics.json",
+    ]  # fmt: skip
+    check_shared_options(python(lesson("00"), args, timeout=180), order="generator")

@@ -151,9 +151,14 @@ def test_bad_options_end_at_once_with_one_line(lesson, option, value):
 
 
 def test_runs_without_torchrun_as_a_world_of_one(lesson, tmp_path):
-    run = python(lesson("01"), ["--skip-benchmark"], tmp_path=tmp_path).check()
-    assert run.metrics["world_size"] == 1
+    metrics_path = tmp_path / "metrics" / "m.json"
+    run = python(lesson("01"), ["--skip-benchmark", "--metrics-out", metrics_path]).check()
+    metrics = json.loads(metrics_path.read_text())  # --metrics-out: written where it says, folder created
+    assert metrics["world_size"] == 1
     assert "world size 1" in run.output
+    # --skip-benchmark: parts 1 and 2 only (the default runs part 3, as test_script_runs_and_writes_metrics shows)
+    assert metrics["benchmark"] == [] and "Part 3" not in run.output, run.tail()
+    assert "Part 2" in run.output and metrics["errors"]["ring"] < 1e-5
 
 
 def test_untouched_exercise_stops_at_once_naming_todo_1(tmp_path):

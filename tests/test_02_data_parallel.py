@@ -12,11 +12,13 @@ with the global batch: 8 sequences per step.
 """
 
 import json
+import math
 
 import pytest
 import torch
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
+from tests.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.lab import failure
 from utils.make_exercises import make_exercise
 from utils.metrics import param_checksum
@@ -202,8 +204,9 @@ def test_todo7_ddp_wrap_matches_single_process(run, name):
         "(wrap the model so gradients are averaged across ranks; TODO 6 gives each rank different data)"
     )
     assert metrics["param_checksum"] == pytest.approx(one_metrics["param_checksum"], rel=1e-6), "TODO 7"
-    wanted = {"builtin": "DistributedDataParallel", "scratch": "DataParallel"}[metrics["ddp"]]
-    assert metrics["wrapper"] == wanted, f"TODO 7: --ddp {metrics['ddp']} wrapped the model in {metrics['wrapper']}"
+    ddp = passed(result, "--ddp")
+    wanted = {"builtin": "DistributedDataParallel", "scratch": "DataParallel"}[ddp]
+    assert metrics["wrapper"] == wanted, f"TODO 7: --ddp {ddp} wrapped the model in {metrics['wrapper']}"
 
 
 def test_todo8_set_epoch_reshuffles_every_epoch(lesson, tmp_path):
@@ -221,6 +224,7 @@ def test_todo8_set_epoch_reshuffles_every_epoch(lesson, tmp_path):
 def test_todo9_no_sync_accumulation_matches_one_large_batch(run):
     result, folder = run("accum2")
     metrics = finished(result, 9)
+    assert passed(result, "--grad-accum") == "2" and metrics["grad_accum"] == 2
     check_recipe(result, metrics, "8 sequences = 2 per rank x 2")
     difference = max_difference(weights(folder), weights(run("one")[1]))
     assert difference <= TOLERANCE, f"TODO 9: 2 ranks x 2 micro-batches differ from one process by {difference:.1e}"
@@ -267,7 +271,13 @@ def test_bytes_on_the_wire_per_step(run):
         f"not {metrics['allreduce_bytes_per_step']}"
     )
     assert metrics["bus_bytes_per_step"] == pytest.approx(2 * (n - 1) / n * 4 * params)
-    assert metrics["buckets"] >= 2 and metrics["buckets_overlapped"] == metrics["buckets"], (
+    # --bucket-cap-mb: every bucket but the last holds at least the cap, so the buckets are at most gradient bytes /
+    # cap, rounded up; with the default 25 MB the whole model would be one bucket.
+    cap = float(passed(run("scratch4")[0], "--bucket-cap-mb")) * 2**20
+    assert 2 <= metrics["buckets"] <= math.ceil(4 * params / cap), (
+        f"--bucket-cap-mb {cap / 2**20}: {metrics['buckets']} buckets for {4 * params:,} bytes of gradients"
+    )
+    assert metrics["buckets_overlapped"] == metrics["buckets"], (
         f"TODO 2: {metrics['buckets_overlapped']} of {metrics['buckets']} buckets launched during backward"
     )
 
@@ -310,6 +320,43 @@ def test_autocast_bf16_is_honoured_as_in_lesson_00(lesson, tmp_path):
     assert bf16["losses"] != off["losses"], "--autocast bf16 gave the fp32 losses: the forward must run in autocast"
     gap = max(abs(a - b) for a, b in zip(bf16["losses"], off["losses"]))
     assert gap < 0.1, f"bf16 losses differ from fp32 by {gap:.3f}: more than rounding"
+
+
+def test_shared_options_change_the_run(lesson, tmp_path):
+    """Every option of the shared command line, and lesson 02's batch recipe options, at values other than their
+    defaults, on one process: the run trains like the same steps written out with PyTorch alone
+    (tests/option_effects.py): 2 micro-batches of 2 are one batch of 4, at the learning rate x sqrt(4 / 8)."""
+    fake_wikitext(tmp_path / "data")
+    trace = tmp_path / "trace.json"
+    args = [
+        "--steps", 3, "--seed", 3, "--batch-size", 2, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",
+        "--data-dir", tmp_path / "data", "--seq-len", 16, "--dim", 24, "--n-layers", 1, "--n-heads", 3,
+        "--log-dir", tmp_path / "runs", "--log-every", 2, "--wandb", "--checkpoint", tmp_path / "model.pt",
+        "--metrics-out", tmp_path / "metrics.json", "--grad-accum", 2, "--lr-scaling", "sqrt", "--trace", trace,
+    ]  # fmt: skip
+    result = python(lesson("02"), args, timeout=180)
+    finished(result, 5)
+    lr = 0.05 * (4 / 8) ** 0.5  # --lr-scaling sqrt: global batch 2 x 2 x 1 = 4, the base batch 8
+    metrics = check_shared_options(result, order="sampler", samples_per_step=4, lr=lr)
+    assert metrics["lr"] == pytest.approx(lr, rel=1e-12) and metrics["global_batch_size"] == 4, metrics["lr"]
+    names = {event["name"] for event in json.loads(trace.read_text())}  # --trace: the profiled step's events
+    assert "autograd::engine::evaluate_function" in " ".join(names) and any("Optimizer.step" in n for n in names), (
+        f"--trace: no backward or optimizer step among the traced events {sorted(names)[:8]}"
+    )
+
+
+def test_todo6_one_process_reference_is_the_plain_training_loop(run):
+    """The reference of every parity test above ("one": this script on one process) is itself checked against
+    the same 4 SGD steps written out with PyTorch alone (a DistributedSampler of one replica): a mistake that
+    bent the reference and the parallel runs alike would otherwise pass them."""
+    result, folder = run("one")
+    metrics = finished(result, 6)
+    losses, checksum, _ = written_out_training(result, "sampler", samples_per_step=8, lr=0.2)
+    assert metrics["losses"] == pytest.approx(losses, rel=1e-5), (
+        f"TODO 6: on one process the losses {metrics['losses']} are not plain training's {losses}: draw the batches "
+        "from a DistributedSampler seeded with --seed (shuffle=True, drop_last=True)"
+    )
+    assert metrics["param_checksum"] == pytest.approx(checksum, rel=1e-6), "TODO 6: the final parameters differ"
 
 
 # --------------------------------------------------------------------------------------------------

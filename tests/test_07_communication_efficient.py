@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests.launch import ROOT, course_env, python, torchrun
+from tests.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.make_exercises import make_exercise
 from utils.model import ModelConfig, build_model, count_parameters
 
@@ -44,7 +45,10 @@ RUNS = {  # name: (processes, arguments); every run has a global batch of 8 sequ
     "powersgd1": (2, ["--method", "powersgd", "--powersgd-rank", "1"]),
     "local1": (2, ["--method", "localsgd", "--local-steps", "1"]),
     "local3": (2, ["--method", "localsgd", "--local-steps", "3"]),
-    "postlocal": (2, ["--method", "postlocal", "--local-steps", "2", "--local-group-size", "1"]),
+    "postlocal": (
+        2,
+        ["--method", "postlocal", "--local-steps", "2", "--local-group-size", "1", "--compress-start", "3"],
+    ),
     "topk4": (4, ["--method", "topk", "--topk-ratio", "0.05"]),
     "quantize8_4": (4, ["--method", "quantize", "--bits", "8"]),
     "powersgd4": (4, ["--method", "powersgd", "--powersgd-rank", "4"]),
@@ -284,7 +288,8 @@ def test_todo2_topk_resumes_from_a_checkpoint_with_its_error_memory(in_ddp):
 @pytest.mark.parametrize("name, n", [("topk", 2), ("topk4", 4)])
 def test_todo2_topk_sends_k_values_and_indices(run, name, n):
     metrics = finished(run, name, 2)
-    k = [math.ceil(0.05 * size) for size in metrics["bucket_sizes"]]
+    ratio = float(passed(run(name)[0], "--topk-ratio"))
+    k = [math.ceil(ratio * size) for size in metrics["bucket_sizes"]]
     expected = sum(all_gather_bytes(ki * (4 + 4), n) for ki in k)  # float32 value + int32 index, from each rank
     assert metrics["bytes_sent"] == [expected] * STEPS, (
         f"TODO 2: k = {k} entries (value + int32 index) all-gathered from each of {n} ranks send {expected:,.0f} "
@@ -355,6 +360,7 @@ def test_todo4_decodes_every_rank_with_its_own_scale_for_every_bits(in_ddp):
 )  # fmt: skip
 def test_todo4_every_bits_sends_its_bytes_and_trains(run, name, n, bits):
     metrics = finished(run, name, 4)
+    assert int(passed(run(name)[0], "--bits")) == bits
     # ceil(N x bits / 8) bytes of codes (2- and 4-bit codes packed into bytes) + one float32 scale, from each rank
     expected = sum(all_gather_bytes(math.ceil(size * bits / 8) + 4, n) for size in metrics["bucket_sizes"])
     assert metrics["bytes_sent"] == [expected] * STEPS, (
@@ -398,7 +404,8 @@ def test_todo5_local_sgd_with_one_local_step_is_one_process(run):
 
 def test_todo5_local_sgd_averages_every_h_steps(run):
     metrics = finished(run, "local3", 5)
-    averaging = [step % 3 == 0 for step in range(1, STEPS + 1)]
+    h = int(passed(run("local3")[0], "--local-steps"))
+    averaging = [step % h == 0 for step in range(1, STEPS + 1)]
     expected = [all_reduce_bytes(4 * P, 2) if avg else 0.0 for avg in averaging]
     assert metrics["bytes_sent"] == expected, (
         f"TODO 5: --local-steps 3 all-reduces the {4 * P:,} bytes of parameters at steps 3 and 6 only "
@@ -419,6 +426,7 @@ def test_todo5_local_sgd_averages_every_h_steps(run):
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 def test_16_bit_compression_halves_the_bytes_and_nearly_matches_full_precision(run, name):
     metrics, full = finished(run, name, "the built-in hook"), finished(run, "none", 1)
+    assert passed(run(name)[0], "--method") == name and passed(run("none")[0], "--method") == "none"
     assert metrics["bytes_sent"] == [all_reduce_bytes(2 * P, 2)] * STEPS, f"{name}: 2 bytes per gradient"
     assert [s / 2 for s in full["bytes_sent"]] == metrics["bytes_sent"], f"{name} sends 1/2 of fp32's bytes"
     tolerance = COMPRESSION_TOLERANCE[name]
@@ -443,6 +451,7 @@ def powersgd_bytes(rank: int) -> int:
 @pytest.mark.parametrize("name, n, rank", [("powersgd1", 2, 1), ("powersgd4", 4, 4)])
 def test_powersgd_sends_rank_times_rows_plus_columns(run, name, n, rank):
     metrics = finished(run, name, "PowerSGD")
+    assert int(passed(run(name)[0], "--powersgd-rank")) == rank
     start = metrics["compress_start"]
     expected = [all_reduce_bytes(4 * P, n)] * start + [all_reduce_bytes(powersgd_bytes(rank), n)] * (STEPS - start)
     assert metrics["bytes_sent"] == pytest.approx(expected, rel=1e-12), (
@@ -454,7 +463,10 @@ def test_powersgd_sends_rank_times_rows_plus_columns(run, name, n, rank):
 
 def test_post_local_sgd_averages_periodically_after_warm_up(run):
     metrics = finished(run, "postlocal", "post-local SGD")
-    start, period = metrics["compress_start"], metrics["local_steps"]
+    result = run("postlocal")[0]
+    start, period = int(passed(result, "--compress-start")), int(passed(result, "--local-steps"))
+    assert start != 2, "the check needs a --compress-start other than the default 2"
+    assert passed(result, "--local-group-size") == "1"  # groups of one rank: no gradient all-reduce after warm-up
     # Steps 1..start: DDP. Then PeriodicModelAverager averages after step start+1, start+1+period, ...;
     # gradients are all-reduced within groups of one rank: nothing on the wire.
     averaging = [step > start and (step - 1 - start) % period == 0 for step in range(1, STEPS + 1)]
@@ -482,8 +494,37 @@ def test_rank0_prints_once_and_finishes(run):
 def test_autocast_bf16_runs_the_forward_in_bf16(run):
     """--autocast is honoured, not ignored: the bf16 forward changes the losses a little, not much."""
     metrics, fp32 = finished(run, "autocast", 1), finished(run, "one", 1)
+    assert passed(run("autocast")[0], "--autocast") == "bf16"
     assert metrics["losses"] != fp32["losses"], "--autocast bf16 trained exactly like float32: it was ignored"
     assert metrics["final_loss"] == pytest.approx(fp32["final_loss"], rel=0.02), (metrics["losses"], fp32["losses"])
+
+
+def test_shared_options_change_the_run(lesson, tmp_path):
+    """Every option of the shared command line at a value other than its default, on one process: the run trains
+    like the same steps written out with PyTorch alone (tests/option_effects.py), logged where it says."""
+    fake_wikitext(tmp_path / "data")
+    args = [
+        "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",
+        "--data-dir", tmp_path / "data", "--seq-len", 16, "--dim", 24, "--n-layers", 1, "--n-heads", 3,
+        "--log-dir", tmp_path / "runs", "--log-every", 2, "--wandb", "--checkpoint", tmp_path / "model.pt",
+        "--metrics-out", tmp_path / "metrics.json", "--method", "none",
+    ]  # fmt: skip
+    result = python(lesson("07"), args, timeout=180)
+    finished(lambda name: (result, tmp_path), "shared options", 1)
+    check_shared_options(result, order="sampler")
+
+
+def test_todo1_one_process_reference_is_the_plain_training_loop(run):
+    """The reference of every parity test above ("one": this script on one process, --method none) is itself
+    checked against the same SGD steps written out with PyTorch alone: a mistake that bent the reference and the
+    2-rank runs alike would otherwise pass them."""
+    metrics = finished(run, "one", 1)
+    losses, checksum, _ = written_out_training(run("one")[0], "sampler", samples_per_step=8, lr=0.2)
+    assert metrics["losses"] == pytest.approx(losses, rel=1e-5), (
+        f"TODO 1: on one process the losses {metrics['losses']} are not plain training's {losses}: the hook must "
+        "return the average of the gradients, nothing else"
+    )
+    assert metrics["param_checksum"] == pytest.approx(checksum, rel=1e-6), "TODO 1: the final parameters differ"
 
 
 def test_bad_option_is_one_line(lesson, tmp_path):

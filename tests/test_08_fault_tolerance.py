@@ -11,6 +11,7 @@ of 8 sequences; "reference" is never interrupted, and the others must end with i
 import errno
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from tests.launch import ROOT, Run, _run, course_env, python
+from tests.option_effects import check_shared_options, fake_wikitext, passed
 from utils.model import ModelConfig, build_model
 from utils.notebook import kill_tree
 
@@ -355,7 +357,13 @@ def test_reference_run_keeps_the_last_k_checkpoints(run):
     result, folder = run("reference")
     metrics = finished(result, "the reference run")
     assert metrics["resumed_from"] is None and metrics["steps"] == 8, "a fresh folder: trained from step 0"
-    assert metrics["checkpoints"] == ["step-00000006", "step-00000008"], f"--keep 2: {metrics['checkpoints']}"
+    every, keep = int(passed(result, "--checkpoint-every")), int(passed(result, "--keep"))
+    saved = sorted({step for step in range(1, 9) if step % every == 0} | {8})  # every N steps, and at the end
+    expected = [f"step-{step:08d}" for step in saved[-keep:]]
+    assert metrics["checkpoints"] == expected, f"--checkpoint-every {every} --keep {keep}: {metrics['checkpoints']}"
+    assert [save["step"] for save in metrics["saves"]] == saved, metrics["saves"]
+    # Without --async-save a save is published before training goes on: it blocks for its whole duration.
+    assert all(save["total_s"] <= save["blocking_s"] for save in metrics["saves"]), metrics["saves"]
     assert (folder / "checkpoints" / "latest").read_text().strip() == "step-00000008", "the pointer names the newest"
     assert not list((folder / "checkpoints").glob("tmp-*")), "no staging folder left after a clean run"
 
@@ -364,8 +372,14 @@ def test_killed_rank_restarts_and_ends_bit_identical(run):
     """rank 1 SIGKILLed after step 5 (async saves every 2 steps); torchrun --max-restarts 1 restarts both ranks."""
     reference = finished(run("reference")[0], "the reference run")
     result, _ = run("killed")
-    assert "[rank 1] killed with SIGKILL at step 5" in result.output, f"the crash did not happen:\n{result.tail()}"
+    step, rank = passed(result, "--crash-at-step"), passed(result, "--crash-rank")
+    assert f"[rank {rank}] killed with SIGKILL at step {step}" in result.output, (
+        f"--crash-at-step {step} --crash-rank {rank}: the crash did not happen:\n{result.tail()}"
+    )
     metrics = finished(result, "the restarted run")
+    # --async-save: training goes on while the save is written; it is published steps later, after it unblocked.
+    assert passed(result, "--async-save") is True and metrics["saves"], metrics
+    assert all(save["total_s"] > save["blocking_s"] for save in metrics["saves"]), metrics["saves"]
     assert metrics["attempt"] == 1, f"torchrun should have restarted the workers once, attempt {metrics['attempt']}"
     assert metrics["resumed_from"] in (2, 4), (
         f"resume from the newest published checkpoint, not {metrics['resumed_from']}"
@@ -377,6 +391,7 @@ def test_killed_rank_restarts_and_ends_bit_identical(run):
 def test_kill_during_save_keeps_the_previous_checkpoint(run):
     reference = finished(run("reference")[0], "the reference run")
     result, _ = run("killed_in_save")
+    assert passed(result, "--crash-during-save") is True
     assert "killed with SIGKILL during the save of step 6" in result.output, f"no crash:\n{result.tail()}"
     metrics = finished(result, "the restarted run")
     assert "ignoring tmp-step-00000006" in result.output, "the half-written save should be named and ignored"
@@ -405,6 +420,31 @@ def test_damaged_checkpoint_skipped_and_resume_at_another_world_size(run, lesson
         "resumed at 2 ranks from a 4-rank checkpoint, the loss curve should continue the 4-rank one"
     )
     assert metrics["param_checksum"] == pytest.approx(reference["param_checksum"], rel=RESHARD_TOLERANCE)
+
+
+def test_shared_options_change_the_run(lesson, tmp_path):
+    """Every shared option this script takes, and its schedule, noise and test-only delays, at values other than
+    their defaults on one process: the run trains like the same SGD steps written out with PyTorch alone
+    (tests/option_effects.py) under the warm-up-then-cosine schedule, with no token noise, and waits where told."""
+    fake_wikitext(tmp_path / "data")
+    args = [
+        "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",
+        "--data-dir", tmp_path / "data", "--seq-len", 16, "--dim", 24, "--n-layers", 1, "--n-heads", 3,
+        "--log-dir", tmp_path / "runs", "--log-every", 2, "--wandb", "--metrics-out", tmp_path / "metrics.json",
+        "--checkpoint-dir", tmp_path / "checkpoints", "--token-noise", 0, "--warmup-steps", 2,
+        "--slow-steps", 0.2, "--slow-save", 0.3,
+    ]  # fmt: skip
+    result = python(lesson("08"), args, timeout=180)
+    finished(result, "the run")
+    warmup, steps = int(passed(result, "--warmup-steps")), int(passed(result, "--steps"))
+
+    def schedule(s):  # the factor of step s + 1: linear warm-up over --warmup-steps, then cosine decay
+        return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
+
+    # --token-noise 0: the batches as the data gives them (the default 0.05 would replace some tokens)
+    metrics = check_shared_options(result, order="sampler", lr_factor=schedule)
+    assert min(metrics["step_seconds"]) >= 0.2, f"--slow-steps 0.2: steps took {metrics['step_seconds']} s"
+    assert [save["total_s"] >= 0.3 for save in metrics["saves"]] == [True], f"--slow-save 0.3: {metrics['saves']}"
 
 
 def test_untouched_exercise_stops_at_a_todo(tmp_path):

@@ -26,7 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class CourseArgumentParser(argparse.ArgumentParser):
-    """argparse, with its errors on one line (the option, what is wrong, a valid value) and exit code 2."""
+    """argparse, with its errors on one line (the option, what is wrong, a valid value) and exit code 2.
+
+    No abbreviations: a shared option a script leaves out (e.g. --checkpoint in lesson 08) must be refused, not
+    taken as the prefix of another option (--checkpoint-dir).
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
