@@ -390,9 +390,9 @@ class Zero3(nn.Module):
 
     def _after_forward(self, unit, output):
         # TODO 6: the ZeRO-3 schedule after a unit's forward. free() its gathered parameters (when
-        #   self.reshards(unit)), and register a hook on each output tensor that requires grad, calling
-        #   self._before_backward(unit, grad): autograd runs it when backward reaches the unit's output, before
-        #   the unit's own backward, so the parameters are gathered again just in time. Return the output.
+        #   self.reshards(unit)), and register a hook on each tensor of output_tensors(output) that requires grad,
+        #   calling self._before_backward(unit, grad): autograd runs it when backward reaches the unit's output,
+        #   before the unit's own backward, so the parameters are gathered again just in time. Return the output.
         raise NotImplementedError("TODO 6: the ZeRO-3 schedule after a unit's forward")
 
     def _record(self, unit, event):
@@ -843,6 +843,23 @@ def main():
     destroy_process_group()
     if stopped:  # every finished strategy is reported above; now name the first unfinished TODO
         raise stopped
+
+
+# --------------------------------------------------------------------------------------------------
+# Debugging lab: a ZeRO-3 unit never gathered again (TODO 8; notebook section 12, `make check LESSON=03`)
+# --------------------------------------------------------------------------------------------------
+
+
+def output_tensors(output) -> list:
+    """The tensors in what a unit's forward returned: Zero3 hooks each one to gather the unit again before its
+    backward (TODO 6). A block may return a tensor, or tuples, lists and dicts of them, nested."""
+    # TODO 8: lab, a unit never gathered again. In the exercise, ZeRO-3 trains the course model, whose blocks
+    #   return a tensor; the lab's model, whose blocks return a dict (a hidden state and an auxiliary loss),
+    #   fails in backward on every rank. Which unit's parameters does backward read, what state are they in,
+    #   and why did no hook gather them again? Fix this function.
+    if isinstance(output, (tuple, list)):
+        return [tensor for item in output for tensor in output_tensors(item)]
+    return [output] if torch.is_tensor(output) else []
 
 
 if __name__ == "__main__":
