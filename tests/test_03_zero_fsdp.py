@@ -10,7 +10,8 @@ a strategy that reaches an unfinished TODO stops on its own while the others go 
 a launch that crashed is launched alone. The model (width 27, 3 blocks: Psi = 42,295 parameters, odd) divides
 by neither 2, 3 nor 4, nor do its rows: every sharded buffer is padded. Every run has a global batch of 8.
 Expected bytes come from the model and the world size (or, for the bytes on the wire, from the layout the
-strategy reports and that a test checks first), never from the estimate the run computed itself.
+strategy reports and that a test checks first), never from the estimate the run computed itself. TODO 8 (the
+debugging lab) is checked by utils/zero_lab.py at 3 ranks, against one process.
 """
 
 import json
@@ -25,6 +26,7 @@ from utils.make_exercises import BEGIN, END, EXERCISE, make_exercise
 from utils.memory import model_state_bytes, padded_numel, peak_model_state_bytes
 from utils.metrics import param_checksum
 from utils.model import ModelConfig, build_model, count_parameters
+from utils.zero_lab import failure as lab_failure
 
 TOLERANCE = 1e-6  # fp32, SGD: sharded and single-process runs differ only by the order of additions
 ADAMW_TOLERANCE = 1e-4  # AdamW divides by sqrt(second moment): rounding differences grow; parameters, absolute
@@ -469,6 +471,21 @@ def test_todo7_fsdp2_gathers_in_bf16(run):
         f"TODO 7: with --precision bf16 FSDP2 should all-gather {expected:,} bytes of bf16 parameters, not "
         f"{record['library_wire_bytes']['shard']['all_gather']:,}: pass mp_policy to every fully_shard call"
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# TODO 8: the debugging lab (a unit never gathered again), graded like lessons 01 and 02's labs
+# ------------------------------------------------------------------------------------------------
+
+
+def test_todo8_lab_every_unit_is_gathered_again_for_backward(lesson, tmp_path):
+    """3 ranks, the lab's model (its blocks return dicts) in the course's Zero3 with the script's output_tensors:
+    one step's gradient equals one process's. gloo with a 5 s timeout: a rank left waiting ends the lab."""
+    out = tmp_path / "lab.json"
+    result = torchrun(ROOT / "utils" / "zero_lab.py", 3, [lesson("03"), "--metrics-out", out], timeout=120)
+    assert out.exists(), f"TODO 8: the lab's ranks ended without a result. Their last lines:\n{result.tail()}"
+    message = lab_failure(json.loads(out.read_text())["outcomes"])
+    assert message is None, message
 
 
 # ------------------------------------------------------------------------------------------------
