@@ -601,5 +601,27 @@ def main():
     destroy_process_group()
 
 
+# --------------------------------------------------------------------------------------------------
+# Debugging lab: a schedule that deadlocks (TODO 8; notebook section 8, `make check LESSON=05`)
+# --------------------------------------------------------------------------------------------------
+
+
+def capped_warmup(n_stages: int, n_microbatches: int, rank: int, max_in_flight: int) -> int:
+    """1F1B's warm-up forwards on `rank` when the first stage may hold at most `max_in_flight` micro-batches'
+    activations (1F1B gives it p: with the embeddings too, it is the first to run out of memory).
+    utils/pipeline_lab.py builds each rank's 1F1B step list from it and runs them on live ranks."""
+    # TODO 8: lab, a schedule that deadlocks. In the exercise only the first stage's warm-up is capped, and a
+    #   4-stage run hangs. Which rank waits for which tensor, from whom, and when would that rank send it? Fix
+    #   it: a rank can only run the forwards its predecessor sent before the predecessor waits for a gradient.
+    # BEGIN SOLUTION
+    return min(n_stages - rank - 1, max_in_flight - 1, n_microbatches)  # the cap holds all along the pipeline
+    # EXERCISE
+    # warmup = min(n_stages - rank - 1, n_microbatches)  # 1F1B's warm-up (TODO 3)
+    # if rank == 0:  # the first stage holds the most activations: cap it
+    #     warmup = min(warmup, max_in_flight - 1)
+    # return warmup
+    # END SOLUTION
+
+
 if __name__ == "__main__":
     run_main(main)

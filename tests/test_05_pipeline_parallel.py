@@ -6,8 +6,9 @@ pytest tests/test_05_pipeline_parallel.py --target exercises   # your exercise (
 The reference is never the learner's own code: the schedules, the bubble and the communication plan are checked
 in pure Python against their definitions; one micro-batch's forward (TODO 5) and backward (TODO 6) against the
 whole model in this process; the runs against lesson 00's solution on one process (the same batches, the same
-seed). A test that needs earlier TODOs is skipped, naming them, until their own tests pass, so `make check` blames
-only the TODO at fault. Timings are noisy on a shared CPU: no test asserts on one.
+seed); the debugging lab (TODO 8) in pure Python, then on live ranks with the solution's engine
+(utils/pipeline_lab.py). A test that needs earlier TODOs is skipped, naming them, until their own tests pass, so
+`make check` blames only the TODO at fault. Timings are noisy on a shared CPU: no test asserts on one.
 """
 
 import argparse
@@ -24,6 +25,7 @@ from tests.launch import ROOT, course_env, finished, python, torchrun
 from utils.distributed_utils import CourseError
 from utils.make_exercises import make_exercise
 from utils.model import ModelConfig, build_model, loss_fn
+from utils.pipeline_lab import HINT, check_warmups, failure
 from utils.pipeline_timing import measured_bubble, rendezvous_completes
 
 TOLERANCE = 1e-6  # fp32, SGD: stages and one process differ only by the order of additions
@@ -503,3 +505,39 @@ def test_bubble_sweep_fixes_the_micro_batch_and_records_its_conditions(tmp_path)
     assert record["machine"]["cores"] and set(record["load_average_1min"]) == {"before", "after"}
     with pytest.raises(CourseError, match="cores"):
         bubble_sweep(train, args, 0, (os.cpu_count() or 1) + 1, torch.device("cpu"), path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TODO 8: the debugging lab (a schedule that deadlocks), graded like lesson 01's labs
+# ---------------------------------------------------------------------------------------------------------------
+
+LAB = ROOT / "utils" / "pipeline_lab.py"
+
+
+def test_todo8_lab_capped_warm_ups_do_not_deadlock(script, lesson, tmp_path):
+    """Pure Python first (a deadlock is named at once, nothing launched), then the 4-stage run on live ranks: the
+    learner's warm-ups through the solution's engine, the gradients against one process."""
+    if not hasattr(script, "capped_warmup"):
+        pytest.fail("TODO 8: the script has no capped_warmup (the lab at the end of the exercise)", pytrace=False)
+    message = check_warmups(script.capped_warmup)
+    assert message is None, f"TODO 8: {message}. Hint: {HINT}"
+    result = torchrun(LAB, 4, [lesson("05")], tmp_path=tmp_path, timeout=120, env=ENV).check()
+    message = failure(result.metrics, 8)
+    assert message is None, message
+
+
+def test_the_lab_deadlock_ends_within_seconds_naming_the_ranks(target, request, tmp_path):
+    """The untouched lab deadlocks on live ranks: the run must end by the 5 s timeout and name the waiting pair."""
+    if target == "exercises" or request.config.getoption("--target-dir"):
+        pytest.skip("a property of the lab itself, checked with the solutions")
+    solution = ROOT / "solutions" / "05_pipeline_parallel.py"
+    exercise = tmp_path / solution.name
+    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    result = torchrun(LAB, 4, [exercise], tmp_path=tmp_path, timeout=120, env=ENV).check()
+    ranks = result.metrics["ranks"]
+    assert all(outcome["error"] for outcome in ranks), ranks
+    assert max(outcome["seconds"] for outcome in ranks) < 60, [outcome["seconds"] for outcome in ranks]
+    message = failure(result.metrics, 8)
+    assert "rank 0 (after F0 F1) waits before B0 for gradient 0 from rank 1" in message, message
+    assert "rank 1 (after F0 F1) waits before F2 for activation 2 from rank 0" in message, message
+    assert "rank 0: warm-up 1, stuck in batch_isend_irecv [send activation 1 to rank 1, receive gradient 0" in message
