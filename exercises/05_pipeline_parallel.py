@@ -8,9 +8,12 @@ from rank to rank and their gradients backward. A schedule says in which order e
 backwards (B): GPipe (all F, then all B) or 1F1B (a few F, then one F one B, then the remaining B). Gradients add
 up over the micro-batches and the optimizer steps once per batch, so p stages with m micro-batches train exactly
 like one process on the whole batch (lesson 00). The number of stages is the world size (twice it, interleaved).
+The built-in zero-bubble schedules (interleaved-zb, zbv) also split each backward into the input's gradient (B),
+which the previous stage waits for, and the weights' gradient (W), which can wait and fill the idle time.
 
     torchrun --nproc_per_node=4 solutions/05_pipeline_parallel.py --n-layers 4 --schedule 1f1b --microbatches 8
     torchrun --nproc_per_node=2 solutions/05_pipeline_parallel.py --pp-impl builtin --schedule interleaved --n-layers 4
+    torchrun --nproc_per_node=2 solutions/05_pipeline_parallel.py --pp-impl builtin --schedule zbv --n-layers 4
     sbatch slurm/05_pipeline_parallel_2nodes.sbatch solutions --n-layers 8     # 8 stages on 2 nodes x 4 GPUs
 """
 
@@ -33,6 +36,7 @@ from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import SavedActivations, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
+from utils.pipeline_plumbing import batches, check_builtin_available, full_parameters
 from utils.pipeline_timing import bubble_sweep, measured_bubble, now, record_builtin_timings
 from utils.training import (
     Logger,
@@ -45,8 +49,27 @@ from utils.training import (
     positive_int,
 )
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-VIRTUAL_STAGES = 2  # stages per rank in the interleaved schedule (built-in only)
+# The built-in schedules, by their classes in torch.distributed.pipelining. The last three are built-in only and put
+# two stages on each rank; the zero-bubble ones (ZB) split the backward into B (input) and W (weights).
+BUILTIN_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+SCHEDULES = tuple(BUILTIN_SCHEDULES)
+MULTI_STAGE = ("interleaved", "interleaved-zb", "zbv")
+ZERO_BUBBLE = ("interleaved-zb", "zbv")  # no closed-form bubble: it depends on the times of F, B and W
+VIRTUAL_STAGES = 2  # stages per rank in the multi-stage schedules
+
+
+def stage_indices(schedule: str, rank: int, world_size: int) -> list[int]:
+    """The stages rank r holds: r; with two per rank, r and r + p (a loop), or r and 2p - 1 - r (ZBV's "V": the
+    first rank holds the first and the last stage, so the loss's gradient turns back on the rank that has it)."""
+    if schedule not in MULTI_STAGE:
+        return [rank]
+    return [rank, 2 * world_size - 1 - rank] if schedule == "zbv" else [rank, rank + world_size]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,11 +317,12 @@ def build_builtin_schedule(stage_modules, stage_indices, n_stages, pp_group, dev
     passes a DeviceMesh's "pp" dimension). `loss(output, target)` is one micro-batch's mean loss: the schedule
     divides the gradients by n_microbatches (scale_grads=True), so they equal the whole batch's.
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed import pipelining
 
-    # TODO 7: the built-in pipeline. Wrap each stage module: PipelineStage(module, stage_index, n_stages, device,
-    #   group=pp_group). GPipe and 1F1B take the one stage (ScheduleGPipe / Schedule1F1B(stage, n_microbatches,
-    #   loss_fn=loss)); the interleaved schedule takes this rank's list of stages (ScheduleInterleaved1F1B).
+    built_in = getattr(pipelining, BUILTIN_SCHEDULES[schedule])  # e.g. pipelining.Schedule1F1B
+    # TODO 7: the built-in pipeline. Wrap each stage module: pipelining.PipelineStage(module, stage_index, n_stages,
+    #   device, group=pp_group). GPipe and 1F1B take the one stage (built_in(stage, n_microbatches, loss_fn=loss));
+    #   the multi-stage schedules (schedule in MULTI_STAGE) take this rank's list of stages.
     raise NotImplementedError("TODO 7: the built-in pipeline")
 
 
@@ -316,14 +340,15 @@ def check_layout(args, world_size: int):
         )
     if getattr(args, "bubble_sweep", None) and args.pp_impl != "scratch":
         raise CourseError("--bubble-sweep measures the from-scratch schedules; leave out --pp-impl builtin")
-    if args.schedule == "interleaved":
+    if args.schedule in MULTI_STAGE:
         if args.pp_impl == "scratch":
-            raise CourseError("--schedule interleaved is built-in only here; add --pp-impl builtin")
+            raise CourseError(f"--schedule {args.schedule} is built-in only here; add --pp-impl builtin")
         if args.n_layers < VIRTUAL_STAGES * world_size:
             raise CourseError(
-                f"--schedule interleaved puts {VIRTUAL_STAGES} stages on each of {world_size} ranks: it needs "
+                f"--schedule {args.schedule} puts {VIRTUAL_STAGES} stages on each of {world_size} ranks: it needs "
                 f"--n-layers {VIRTUAL_STAGES * world_size} or more (got {args.n_layers})"
             )
+    check_builtin_available(BUILTIN_SCHEDULES[args.schedule] if args.pp_impl == "builtin" else None)
     partition(args.n_layers, world_size)  # refuses more stages than blocks
     if args.pp_impl == "builtin" and args.schedule == "1f1b" and args.microbatches < world_size:
         raise CourseError(
@@ -336,8 +361,8 @@ def check_layout(args, world_size: int):
 class Pipeline:
     """What one rank runs: its stage module(s) and its schedule, from scratch (a step list) or built-in."""
 
-    modules: list[Stage]  # this rank's stages: one, or two with the interleaved schedule
-    indices: list[int]  # their stage numbers: rank r holds stages r (and r + p, interleaved)
+    modules: list[Stage]  # this rank's stages: one, or two with the multi-stage schedules
+    indices: list[int]  # their stage numbers (stage_indices)
     n_stages: int
     schedule: str
     n_microbatches: int
@@ -361,9 +386,8 @@ def build_pipeline(args, rank: int, world_size: int, device: torch.device, sched
     the full model in its order)."""
     model = build_model(model_config(args), seed=args.seed)  # on the CPU: every rank builds the same weights...
     names = [name for name, _ in model.named_parameters()]
-    virtual = VIRTUAL_STAGES if schedule == "interleaved" else 1
-    n_stages = virtual * world_size
-    indices = [rank + v * world_size for v in range(virtual)]  # interleaved: stages r and r + p on rank r
+    indices = stage_indices(schedule, rank, world_size)
+    n_stages = len(indices) * world_size
     modules = [build_stage(model, index, n_stages).to(device) for index in indices]  # ...the device gets its stage
     del model  # what this rank's stages do not hold is freed
     held = {r: [i for i in range(n_stages) if i % world_size == r] for r in range(world_size)}
@@ -411,22 +435,6 @@ def train_step(pipeline: Pipeline, inputs, targets, *, rank, world_size, device,
     return loss, timeline, microbatch_bytes
 
 
-def full_parameters(stage_modules, names: list[str]) -> tuple[float, dict]:
-    """(checksum, full state dict): gathered from every stage, in the full model's order.
-
-    The checksum adds each parameter's sum of squares (float64) in the full model's order, so it is bit for bit
-    utils.metrics.param_checksum of the same parameters in one process. The stages together must hold exactly
-    the model's parameters, each once: asserted."""
-    local = {name: p.detach().cpu() for module in stage_modules for name, p in module.named_parameters()}
-    everything: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, local)
-    held = [name for part in everything for name in part]
-    assert sorted(held) == sorted(names), f"the stages do not hold each of the model's parameters once: {held[:4]}"
-    merged = {name: tensor for part in everything for name, tensor in part.items()}
-    checksum = sum(float(merged[name].double().pow(2).sum()) for name in names)
-    return checksum, {name: merged[name] for name in names}
-
-
 def summarise(pipeline: Pipeline, world_size: int, losses, timelines, peak, microbatch_bytes) -> dict:
     """The pipeline's metrics from every rank's records (a collective: every rank calls it)."""
     record = {"timelines": timelines, "peak": peak, "microbatch_bytes": microbatch_bytes}
@@ -446,7 +454,9 @@ def summarise(pipeline: Pipeline, world_size: int, losses, timelines, peak, micr
         microbatches=pipeline.n_microbatches,
         stages=pipeline.n_stages,
         stages_per_rank=virtual,
-        bubble_predicted=predicted_bubble(world_size, pipeline.n_microbatches, virtual),
+        bubble_predicted=None
+        if pipeline.schedule in ZERO_BUBBLE
+        else predicted_bubble(world_size, pipeline.n_microbatches, virtual),
         bubble_from_steps=float(simulate(pipeline.schedule, world_size, pipeline.n_microbatches)[1])
         if scratch
         else None,
@@ -462,12 +472,6 @@ def summarise(pipeline: Pipeline, world_size: int, losses, timelines, peak, micr
         if scratch
         else None,
     )
-
-
-def batches(loader):
-    """Endless batches: start another pass over the data whenever one ends (as lesson 00 does)."""
-    while True:
-        yield from loader
 
 
 def train(args, rank: int, world_size: int, device: torch.device, schedule: str, n_microbatches: int) -> dict:
@@ -498,7 +502,9 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
             peak, microbatch_bytes = saved.peak_bytes, bytes_one
         optimizer.step()
         timelines.append(timeline)
-        dist.broadcast(loss, src=world_size - 1)  # the last stage computed the loss: everyone logs it
+        # The last stage computed the loss (on rank 0 with ZBV's V): everyone logs it.
+        last = next(r for r in range(world_size) if pipeline.n_stages - 1 in stage_indices(schedule, r, world_size))
+        dist.broadcast(loss, src=last)
         losses.append(loss.item())
         throughput.step(inputs.numel())
         logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)
@@ -527,7 +533,7 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
 def main():
     parser = base_parser(__doc__.splitlines()[0], without=("--autocast",))  # fp32 only: parity is exact
     parser.add_argument("--pp-impl", choices=["scratch", "builtin"], default="scratch", help="which pipeline")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="interleaved: --pp-impl builtin only")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="gpipe and 1f1b: both --pp-impl")
     parser.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per --batch-size batch")
     sweep_help = (
         "measure the bubble of GPipe and 1F1B at m = 1, 2, 4, 8 micro-batches of --batch-size sequences each "
@@ -550,9 +556,11 @@ def main():
         metrics = bubble_sweep(run, args, rank, world_size, device, args.bubble_sweep)
     else:
         metrics = train(args, rank, world_size, device, args.schedule, args.microbatches)
+    predicted, measured = metrics["bubble_predicted"], metrics["bubble_measured"]
     print0(
-        f"bubble: predicted {metrics['bubble_predicted']:.3f}"
-        + (f", measured {metrics['bubble_measured']:.3f}" if metrics["bubble_measured"] is not None else "")
+        "bubble: "
+        + (f"predicted {predicted:.3f}" if predicted is not None else "no formula for zero-bubble schedules")
+        + (f", measured {measured:.3f}" if measured is not None else "")
         + f" | peak activation bytes per rank {metrics['peak_activation_bytes_per_rank']}"
     )
     print0(f"throughput: {metrics['tokens_per_s']:,.0f} tokens/s on {world_size} x {device.type}")

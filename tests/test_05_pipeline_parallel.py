@@ -40,9 +40,10 @@ RUNS = {  # name: (processes, arguments); every one trains on the same batches o
     "builtin_gpipe2": (2, ["--pp-impl", "builtin", "--schedule", "gpipe", "--microbatches", "4"]),
     "builtin_interleaved2": (2, ["--pp-impl", "builtin", "--schedule", "interleaved", "--microbatches", "4"]),
     "builtin_1f1b4": (4, ["--pp-impl", "builtin", "--schedule", "1f1b", "--microbatches", "4"]),
+    "builtin_zbv2": (2, ["--pp-impl", "builtin", "--schedule", "zbv", "--microbatches", "4"]),  # B split: B and W
 }
 SCRATCH = ["gpipe2", "1f1b2", "1f1b4"]
-BUILTIN = ["builtin_gpipe2", "builtin_interleaved2", "builtin_1f1b4"]
+BUILTIN = ["builtin_gpipe2", "builtin_interleaved2", "builtin_1f1b4", "builtin_zbv2"]
 ENV = course_env(PYTHONPATH=ROOT)  # `import utils` also for a script in another folder (--target-dir)
 SCRATCH_NEEDS = {"gpipe2": (1, 2, 4, 5, 6), "1f1b2": (1, 3, 4, 5, 6), "1f1b4": (1, 3, 4, 5, 6)}
 
@@ -327,6 +328,15 @@ def test_measured_bubble_is_none_when_nothing_was_recorded():
     assert measured_bubble([[("F", 0, 0.0, 1.0, 0)], [("F", 0, 1.0, 2.0, 1)]]) == pytest.approx(0.5)
 
 
+def test_stage_placement_holds_every_stage_once(script):
+    """Loop placement (interleaved): rank r holds r and r + p; ZBV's V: r and 2p - 1 - r."""
+    for schedule in script.SCHEDULES:
+        for p in range(1, 6):
+            held = [index for rank in range(p) for index in script.stage_indices(schedule, rank, p)]
+            assert sorted(held) == list(range(len(held))), f"{schedule} p={p}: {held}"
+    assert script.stage_indices("zbv", 0, 4) == [0, 7] and script.stage_indices("interleaved", 0, 4) == [0, 4]
+
+
 def test_refused_layouts(script, needs):
     needs(1)
 
@@ -338,6 +348,8 @@ def test_refused_layouts(script, needs):
         (dict(batch_size=6), 2, "multiple of 4"),
         (dict(schedule="interleaved"), 2, "--pp-impl builtin"),
         (dict(schedule="interleaved", pp_impl="builtin", n_layers=3), 2, "--n-layers 4 or more"),
+        (dict(schedule="zbv"), 2, "--pp-impl builtin"),
+        (dict(schedule="zbv", pp_impl="builtin", n_layers=3), 2, "--n-layers 4 or more"),
         (dict(n_layers=3), 4, "--n-layers 4 or more"),
         (dict(schedule="1f1b", pp_impl="builtin", microbatches=2), 4, "--microbatches >= 4"),
         (dict(bubble_sweep="sweep.json", pp_impl="builtin"), 2, "leave out --pp-impl builtin"),
@@ -411,8 +423,10 @@ def test_todo7_builtin_schedules_match_lesson_00(run, baseline, needs, name):
     assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5), f"TODO 7: losses {metrics['losses']}"
     assert metrics["stages"] == metrics["world_size"] * metrics["stages_per_rank"]
     if metrics["timeline"] is not None:  # recorded through PipelineStage methods that are not public API
+        kinds = "FBW" if metrics["schedule"] in ("interleaved-zb", "zbv") else "FB"  # zero bubble: B split in two
         for timeline in metrics["timeline"]:
-            assert len(timeline) == 2 * metrics["microbatches"] * metrics["stages_per_rank"], timeline
+            assert sorted({kind for kind, *_ in timeline}) == sorted(kinds), timeline
+            assert len(timeline) == len(kinds) * metrics["microbatches"] * metrics["stages_per_rank"], timeline
 
 
 def test_todo6_activation_memory_gpipe_grows_with_m_1f1b_bounded_by_p(run, needs):
