@@ -36,8 +36,8 @@ from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import SavedActivations, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
-from utils.pipeline_plumbing import batches, check_builtin_available, full_parameters
-from utils.pipeline_timing import bubble_sweep, measured_bubble, now, record_builtin_timings
+from utils.pipeline_plumbing import batches, check_stages, full_parameters, refuse_layout, report, summarise
+from utils.pipeline_timing import bubble_sweep, now, record_builtin_timings
 from utils.training import (
     Logger,
     Throughput,
@@ -79,11 +79,7 @@ def stage_indices(schedule: str, rank: int, world_size: int) -> list[int]:
 
 def partition(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     """Block ranges [start, end) of each stage: contiguous, covering every block, sizes differing by at most one."""
-    if n_stages > n_layers:
-        raise CourseError(
-            f"{n_stages} pipeline stages need at least {n_stages} blocks, but the model has --n-layers {n_layers}; "
-            f"use --n-layers {n_stages} or more, or fewer processes"
-        )
+    check_stages(n_layers, n_stages)  # refuses more stages than blocks
     # TODO 1: balanced partition. Cut n_layers blocks into n_stages contiguous ranges [start, end) whose sizes
     #   differ by at most one (the first n_layers % n_stages stages get one block more). The slowest stage sets
     #   the pace of the whole pipeline, so balance matters.
@@ -332,29 +328,9 @@ def build_builtin_schedule(stage_modules, stage_indices, n_stages, pp_group, dev
 
 
 def check_layout(args, world_size: int):
-    """Refuse what cannot run, with one line each, before any process waits for another."""
-    if args.batch_size % args.microbatches and not getattr(args, "bubble_sweep", None):
-        raise CourseError(
-            f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal "
-            f"micro-batches; use a --batch-size that is a multiple of {args.microbatches}"
-        )
-    if getattr(args, "bubble_sweep", None) and args.pp_impl != "scratch":
-        raise CourseError("--bubble-sweep measures the from-scratch schedules; leave out --pp-impl builtin")
-    if args.schedule in MULTI_STAGE:
-        if args.pp_impl == "scratch":
-            raise CourseError(f"--schedule {args.schedule} is built-in only here; add --pp-impl builtin")
-        if args.n_layers < VIRTUAL_STAGES * world_size:
-            raise CourseError(
-                f"--schedule {args.schedule} puts {VIRTUAL_STAGES} stages on each of {world_size} ranks: it needs "
-                f"--n-layers {VIRTUAL_STAGES * world_size} or more (got {args.n_layers})"
-            )
-    check_builtin_available(BUILTIN_SCHEDULES[args.schedule] if args.pp_impl == "builtin" else None)
-    partition(args.n_layers, world_size)  # refuses more stages than blocks
-    if args.pp_impl == "builtin" and args.schedule == "1f1b" and args.microbatches < world_size:
-        raise CourseError(
-            f"the built-in Schedule1F1B needs --microbatches >= {world_size} stages (got {args.microbatches}); "
-            "the from-scratch one (--pp-impl scratch) runs any number"
-        )
+    """Refuse what cannot run, with one line each, before any process waits for another (utils.pipeline_plumbing)."""
+    builtin = BUILTIN_SCHEDULES[args.schedule] if args.pp_impl == "builtin" else None
+    refuse_layout(args, world_size, args.schedule in MULTI_STAGE, VIRTUAL_STAGES, builtin)
 
 
 @dataclass
@@ -435,45 +411,6 @@ def train_step(pipeline: Pipeline, inputs, targets, *, rank, world_size, device,
     return loss, timeline, microbatch_bytes
 
 
-def summarise(pipeline: Pipeline, world_size: int, losses, timelines, peak, microbatch_bytes) -> dict:
-    """The pipeline's metrics from every rank's records (a collective: every rank calls it)."""
-    record = {"timelines": timelines, "peak": peak, "microbatch_bytes": microbatch_bytes}
-    record["in_flight"] = in_flight(pipeline.steps) if pipeline.steps is not None else None
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, record)
-    per_step = [measured_bubble([r["timelines"][s] for r in everyone]) for s in range(len(timelines))]
-    measured = [] if None in per_step else per_step  # [] when the timings were not recorded
-    later = measured[1:] or measured  # the first step pays for one-off start-up work and counts activation bytes
-    scratch = pipeline.steps is not None
-    virtual = len(pipeline.indices)
-    return dict(
-        final_loss=losses[-1],
-        losses=losses,
-        steps=len(losses),
-        schedule=pipeline.schedule,
-        microbatches=pipeline.n_microbatches,
-        stages=pipeline.n_stages,
-        stages_per_rank=virtual,
-        bubble_predicted=None
-        if pipeline.schedule in ZERO_BUBBLE
-        else predicted_bubble(world_size, pipeline.n_microbatches, virtual),
-        bubble_from_steps=float(simulate(pipeline.schedule, world_size, pipeline.n_microbatches)[1])
-        if scratch
-        else None,
-        bubble_measured=sum(later) / len(later) if later else None,
-        bubble_measured_min=min(later) if later else None,
-        bubble_measured_max=max(later) if later else None,
-        bubble_measured_per_step=measured,
-        timeline=[r["timelines"][-1] for r in everyone] if measured else None,  # the last step, per rank
-        in_flight_per_rank=[r["in_flight"] for r in everyone] if scratch else None,
-        peak_activation_bytes_per_rank=[r["peak"] for r in everyone],
-        microbatch_activation_bytes_per_rank=[r["microbatch_bytes"] for r in everyone] if scratch else None,
-        predicted_activation_bytes_per_rank=[r["in_flight"] * r["microbatch_bytes"] for r in everyone]
-        if scratch
-        else None,
-    )
-
-
 def train(args, rank: int, world_size: int, device: torch.device, schedule: str, n_microbatches: int) -> dict:
     """Train --steps steps with one pipeline layout; return the metrics (the same dict on every rank)."""
     train_set = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
@@ -516,8 +453,18 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
     if args.checkpoint:
         save0({"model": full_state, "config": vars(model_config(args))}, args.checkpoint)
         print0(f"saved the model to {args.checkpoint}")
-    metrics = summarise(pipeline, world_size, losses, timelines, peak, microbatch_bytes)
+    m, scratch = pipeline.n_microbatches, pipeline.steps is not None
+    metrics = summarise(
+        world_size, losses, timelines, peak, microbatch_bytes,
+        in_flight=in_flight(pipeline.steps) if scratch else None,
+        bubble_predicted=None if schedule in ZERO_BUBBLE else predicted_bubble(world_size, m, len(pipeline.indices)),
+        bubble_from_steps=float(simulate(schedule, world_size, m)[1]) if scratch else None,
+    )  # fmt: skip
     metrics.update(
+        schedule=schedule,
+        microbatches=m,
+        stages=pipeline.n_stages,
+        stages_per_rank=len(pipeline.indices),
         tokens_per_s=throughput.tokens_per_s,
         param_checksum=checksum,
         bytes_per_rank=state_bytes(nn.ModuleList(pipeline.modules), optimizer),
@@ -556,14 +503,7 @@ def main():
         metrics = bubble_sweep(run, args, rank, world_size, device, args.bubble_sweep)
     else:
         metrics = train(args, rank, world_size, device, args.schedule, args.microbatches)
-    predicted, measured = metrics["bubble_predicted"], metrics["bubble_measured"]
-    print0(
-        "bubble: "
-        + (f"predicted {predicted:.3f}" if predicted is not None else "no formula for zero-bubble schedules")
-        + (f", measured {measured:.3f}" if measured is not None else "")
-        + f" | peak activation bytes per rank {metrics['peak_activation_bytes_per_rank']}"
-    )
-    print0(f"throughput: {metrics['tokens_per_s']:,.0f} tokens/s on {world_size} x {device.type}")
+    report(metrics, world_size, device)
     write_metrics(args.metrics_out, **metrics)
     print0(f"FINISHED {metrics['steps']} steps, final loss {metrics['final_loss']:.4f}")
     destroy_process_group()
