@@ -317,8 +317,8 @@ def build_builtin_schedule(stage_modules, stage_indices, n_stages, pp_group, dev
 
     built_in = getattr(pipelining, BUILTIN_SCHEDULES[schedule])  # e.g. pipelining.Schedule1F1B
     # TODO 7: the built-in pipeline. Wrap each stage module: pipelining.PipelineStage(module, stage_index, n_stages,
-    #   device, group=pp_group). GPipe and 1F1B take the one stage (built_in(stage, n_microbatches, loss_fn=loss));
-    #   the multi-stage schedules (schedule in MULTI_STAGE) take this rank's list of stages.
+    #   device, group=pp_group). GPipe and 1F1B take the one stage, built_in(stage, n_microbatches, loss_fn=<loss>);
+    #   the multi-stage schedules (schedule in MULTI_STAGE) take this rank's list of stages instead.
     raise NotImplementedError("TODO 7: the built-in pipeline")
 
 
@@ -521,7 +521,7 @@ def capped_warmup(n_stages: int, n_microbatches: int, rank: int, max_in_flight: 
     # TODO 8: lab, a schedule that deadlocks. In the exercise only the first stage's warm-up is capped, and a
     #   4-stage run hangs. Which rank waits for which tensor, from whom, and when would that rank send it? Fix
     #   it: a rank can only run the forwards its predecessor sent before the predecessor waits for a gradient.
-    warmup = min(n_stages - rank - 1, n_microbatches)  # 1F1B's warm-up (TODO 3)
+    warmup = min(n_microbatches, n_stages - rank - 1)  # 1F1B's warm-up (TODO 3)
     if rank == 0:  # the first stage holds the most activations: cap it
         warmup = min(warmup, max_in_flight - 1)
     return warmup

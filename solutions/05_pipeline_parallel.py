@@ -350,8 +350,8 @@ def build_builtin_schedule(stage_modules, stage_indices, n_stages, pp_group, dev
 
     built_in = getattr(pipelining, BUILTIN_SCHEDULES[schedule])  # e.g. pipelining.Schedule1F1B
     # TODO 7: the built-in pipeline. Wrap each stage module: pipelining.PipelineStage(module, stage_index, n_stages,
-    #   device, group=pp_group). GPipe and 1F1B take the one stage (built_in(stage, n_microbatches, loss_fn=loss));
-    #   the multi-stage schedules (schedule in MULTI_STAGE) take this rank's list of stages.
+    #   device, group=pp_group). GPipe and 1F1B take the one stage, built_in(stage, n_microbatches, loss_fn=<loss>);
+    #   the multi-stage schedules (schedule in MULTI_STAGE) take this rank's list of stages instead.
     # BEGIN SOLUTION
     stages = [
         pipelining.PipelineStage(module, index, n_stages, device, group=pp_group)
@@ -563,7 +563,7 @@ def capped_warmup(n_stages: int, n_microbatches: int, rank: int, max_in_flight: 
     # BEGIN SOLUTION
     return min(n_stages - rank - 1, max_in_flight - 1, n_microbatches)  # the cap holds all along the pipeline
     # EXERCISE
-    # warmup = min(n_stages - rank - 1, n_microbatches)  # 1F1B's warm-up (TODO 3)
+    # warmup = min(n_microbatches, n_stages - rank - 1)  # 1F1B's warm-up (TODO 3)
     # if rank == 0:  # the first stage holds the most activations: cap it
     #     warmup = min(warmup, max_in_flight - 1)
     # return warmup
