@@ -6,8 +6,9 @@ pytest tests/test_05_pipeline_parallel.py --target exercises   # your exercise (
 The reference is never the learner's own code: the schedules, the bubble and the communication plan are checked
 in pure Python against their definitions; one micro-batch's forward (TODO 5) and backward (TODO 6) against the
 whole model in this process; the runs against lesson 00's solution on one process (the same batches, the same
-seed). A test that needs earlier TODOs is skipped, naming them, until their own tests pass, so `make check` blames
-only the TODO at fault. Timings are noisy on a shared CPU: no test asserts on one.
+seed); the debugging lab (TODO 8) in pure Python, then on live ranks with the solution's engine
+(utils/pipeline_lab.py). A test that needs earlier TODOs is skipped, naming them, until their own tests pass, so
+`make check` blames only the TODO at fault. Timings are noisy on a shared CPU: no test asserts on one.
 """
 
 import argparse
@@ -24,6 +25,7 @@ from tests.launch import ROOT, course_env, finished, python, torchrun
 from utils.distributed_utils import CourseError
 from utils.make_exercises import make_exercise
 from utils.model import ModelConfig, build_model, loss_fn
+from utils.pipeline_lab import HINT, check_warmups, failure
 from utils.pipeline_timing import measured_bubble, rendezvous_completes
 
 TOLERANCE = 1e-6  # fp32, SGD: stages and one process differ only by the order of additions
@@ -38,9 +40,10 @@ RUNS = {  # name: (processes, arguments); every one trains on the same batches o
     "builtin_gpipe2": (2, ["--pp-impl", "builtin", "--schedule", "gpipe", "--microbatches", "4"]),
     "builtin_interleaved2": (2, ["--pp-impl", "builtin", "--schedule", "interleaved", "--microbatches", "4"]),
     "builtin_1f1b4": (4, ["--pp-impl", "builtin", "--schedule", "1f1b", "--microbatches", "4"]),
+    "builtin_zbv2": (2, ["--pp-impl", "builtin", "--schedule", "zbv", "--microbatches", "4"]),  # B split: B and W
 }
 SCRATCH = ["gpipe2", "1f1b2", "1f1b4"]
-BUILTIN = ["builtin_gpipe2", "builtin_interleaved2", "builtin_1f1b4"]
+BUILTIN = ["builtin_gpipe2", "builtin_interleaved2", "builtin_1f1b4", "builtin_zbv2"]
 ENV = course_env(PYTHONPATH=ROOT)  # `import utils` also for a script in another folder (--target-dir)
 SCRATCH_NEEDS = {"gpipe2": (1, 2, 4, 5, 6), "1f1b2": (1, 3, 4, 5, 6), "1f1b4": (1, 3, 4, 5, 6)}
 
@@ -325,6 +328,15 @@ def test_measured_bubble_is_none_when_nothing_was_recorded():
     assert measured_bubble([[("F", 0, 0.0, 1.0, 0)], [("F", 0, 1.0, 2.0, 1)]]) == pytest.approx(0.5)
 
 
+def test_stage_placement_holds_every_stage_once(script):
+    """Loop placement (interleaved): rank r holds r and r + p; ZBV's V: r and 2p - 1 - r."""
+    for schedule in script.SCHEDULES:
+        for p in range(1, 6):
+            held = [index for rank in range(p) for index in script.stage_indices(schedule, rank, p)]
+            assert sorted(held) == list(range(len(held))), f"{schedule} p={p}: {held}"
+    assert script.stage_indices("zbv", 0, 4) == [0, 7] and script.stage_indices("interleaved", 0, 4) == [0, 4]
+
+
 def test_refused_layouts(script, needs):
     needs(1)
 
@@ -336,6 +348,8 @@ def test_refused_layouts(script, needs):
         (dict(batch_size=6), 2, "multiple of 4"),
         (dict(schedule="interleaved"), 2, "--pp-impl builtin"),
         (dict(schedule="interleaved", pp_impl="builtin", n_layers=3), 2, "--n-layers 4 or more"),
+        (dict(schedule="zbv"), 2, "--pp-impl builtin"),
+        (dict(schedule="zbv", pp_impl="builtin", n_layers=3), 2, "--n-layers 4 or more"),
         (dict(n_layers=3), 4, "--n-layers 4 or more"),
         (dict(schedule="1f1b", pp_impl="builtin", microbatches=2), 4, "--microbatches >= 4"),
         (dict(bubble_sweep="sweep.json", pp_impl="builtin"), 2, "leave out --pp-impl builtin"),
@@ -409,8 +423,10 @@ def test_todo7_builtin_schedules_match_lesson_00(run, baseline, needs, name):
     assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5), f"TODO 7: losses {metrics['losses']}"
     assert metrics["stages"] == metrics["world_size"] * metrics["stages_per_rank"]
     if metrics["timeline"] is not None:  # recorded through PipelineStage methods that are not public API
+        kinds = "FBW" if metrics["schedule"] in ("interleaved-zb", "zbv") else "FB"  # zero bubble: B split in two
         for timeline in metrics["timeline"]:
-            assert len(timeline) == 2 * metrics["microbatches"] * metrics["stages_per_rank"], timeline
+            assert sorted({kind for kind, *_ in timeline}) == sorted(kinds), timeline
+            assert len(timeline) == len(kinds) * metrics["microbatches"] * metrics["stages_per_rank"], timeline
 
 
 def test_todo6_activation_memory_gpipe_grows_with_m_1f1b_bounded_by_p(run, needs):
@@ -503,3 +519,39 @@ def test_bubble_sweep_fixes_the_micro_batch_and_records_its_conditions(tmp_path)
     assert record["machine"]["cores"] and set(record["load_average_1min"]) == {"before", "after"}
     with pytest.raises(CourseError, match="cores"):
         bubble_sweep(train, args, 0, (os.cpu_count() or 1) + 1, torch.device("cpu"), path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TODO 8: the debugging lab (a schedule that deadlocks), graded like lesson 01's labs
+# ---------------------------------------------------------------------------------------------------------------
+
+LAB = ROOT / "utils" / "pipeline_lab.py"
+
+
+def test_todo8_lab_capped_warm_ups_do_not_deadlock(script, lesson, tmp_path):
+    """Pure Python first (a deadlock is named at once, nothing launched), then the 4-stage run on live ranks: the
+    learner's warm-ups through the solution's engine, the gradients against one process."""
+    if not hasattr(script, "capped_warmup"):
+        pytest.fail("TODO 8: the script has no capped_warmup (the lab at the end of the exercise)", pytrace=False)
+    message = check_warmups(script.capped_warmup)
+    assert message is None, f"TODO 8: {message}. Hint: {HINT}"
+    result = torchrun(LAB, 4, [lesson("05")], tmp_path=tmp_path, timeout=120, env=ENV).check()
+    message = failure(result.metrics, 8)
+    assert message is None, message
+
+
+def test_the_lab_deadlock_ends_within_seconds_naming_the_ranks(target, request, tmp_path):
+    """The untouched lab deadlocks on live ranks: the run must end by the 5 s timeout and name the waiting pair."""
+    if target == "exercises" or request.config.getoption("--target-dir"):
+        pytest.skip("a property of the lab itself, checked with the solutions")
+    solution = ROOT / "solutions" / "05_pipeline_parallel.py"
+    exercise = tmp_path / solution.name
+    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    result = torchrun(LAB, 4, [exercise], tmp_path=tmp_path, timeout=120, env=ENV).check()
+    ranks = result.metrics["ranks"]
+    assert all(outcome["error"] for outcome in ranks), ranks
+    assert max(outcome["seconds"] for outcome in ranks) < 60, [outcome["seconds"] for outcome in ranks]
+    message = failure(result.metrics, 8)
+    assert "rank 0 (after F0 F1) waits before B0 for gradient 0 from rank 1" in message, message
+    assert "rank 1 (after F0 F1) waits before F2 for activation 2 from rank 0" in message, message
+    assert "rank 0: warm-up 1, stuck in batch_isend_irecv [send activation 1 to rank 1, receive gradient 0" in message
