@@ -8,6 +8,7 @@ nn.Linear, and the block and the SP gradients, each with the reference's other p
 one process. Whole runs are launched once, the first time a test needs them, and shared by the tests below; their
 reference is lesson 00's single-process script on the same batches (every tensor-parallel rank reads the whole
 batch). The DTensor runs depend on TODO 7 only; the hand-written runs on TODOs 1-6 together ("other checks").
+TODO 8 (the debugging lab) runs on 2 ranks in tests/workers/tp_lab.py, against one process (utils/tp_lab.py).
 """
 
 import importlib.util
@@ -21,6 +22,7 @@ from tests.launch import ROOT, course_env, finished, python, torchrun
 from utils.distributed_utils import CourseError
 from utils.make_exercises import make_exercise
 from utils.model import ModelConfig
+from utils.tp_lab import failure
 
 TOLERANCE = 1e-6  # fp32, SGD: the ranks' partial sums are added in another order than one process's
 B, T, D, L, HEADS = 4, 32, 32, 2, 4
@@ -31,6 +33,7 @@ COMMON = [
 ]
 RUNS = {f"tp{n}-{impl}{'-sp' * sp}": (n, impl, sp) for n in (2, 4) for impl in ("scratch", "dtensor") for sp in (0, 1)}
 WORKER = ROOT / "tests" / "workers" / "tp_units.py"
+LAB_WORKER = ROOT / "tests" / "workers" / "tp_lab.py"
 
 
 @pytest.fixture(scope="module")
@@ -309,3 +312,16 @@ def test_an_exercise_without_todo6_stops_there_on_a_sequence_parallel_run(tmp_pa
     result = torchrun(script, 2, args, timeout=90, env=course_env(PYTHONPATH=ROOT))
     assert result.returncode != 0, result.tail()
     assert "ERROR: TODO 6: sequence-parallel gradients is not done yet" in result.output, result.tail()
+
+
+# --------------------------------------------------------------------------------------------------
+# TODO 8: the debugging lab (a tensor-parallel layer without its g), graded like lessons 01 and 02's
+# --------------------------------------------------------------------------------------------------
+
+
+def test_todo8_lab_a_tensor_parallel_layer_without_its_g(lesson, tmp_path):
+    """2 ranks train the lab's MLP 3 SGD steps; every rank's losses must be one process's (gloo, 5 s timeout)."""
+    out = tmp_path / "lab.json"
+    torchrun(LAB_WORKER, 2, [lesson("04"), out], timeout=120).check()
+    message = failure(json.loads(out.read_text()), 8)
+    assert message is None, message
