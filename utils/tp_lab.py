@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils.lab import _describe
+from utils.lab import describe_error
 
 FUNCTION = "train_parallel_mlp"
 STEPS, LR = 3, 0.5
@@ -77,7 +77,7 @@ def run_case(lesson, reference, group=None) -> dict:
     except NotImplementedError as error:
         return {"value": None, "error": f"not done: {error}", "seconds": time.perf_counter() - start}
     except Exception as error:  # noqa: BLE001 - the lab reports whatever the learner's code raised
-        return {"value": None, "error": _describe(error), "seconds": time.perf_counter() - start}
+        return {"value": None, "error": describe_error(error), "seconds": time.perf_counter() - start}
 
 
 def _losses(values) -> str:

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script by torchrun: `import utils` from the course folder
     sys.path.insert(0, str(ROOT))
 
-from utils.lab import LAB_TIMEOUT_S, _describe, first_cause  # noqa: E402
+from utils.lab import LAB_TIMEOUT_S, describe_error, first_cause  # noqa: E402
 
 HINT = "find the tensors inside a dict too (its values, nested like tuples and lists), so each one gets the hook"
 TOLERANCE = 1e-5  # relative: 3 ranks and one process differ only by the order of additions (fp32)
@@ -127,7 +127,7 @@ def describe(error: BaseException) -> str:
             f"raised RuntimeError in backward: a parameter of shape {shape} was read from a freed buffer "
             "(storage of size 0)"
         )
-    return _describe(error)
+    return describe_error(error)
 
 
 def verdict(outcomes: list[dict]) -> tuple[bool, list[str]]:
