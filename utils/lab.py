@@ -160,3 +160,13 @@ def failure(name: str, outcomes: list[dict], todo: int) -> str | None:
     if passed:
         return None
     return f"TODO {todo}: {first_cause(lines)}. Hint: {hint(name)}.\nEvery rank:\n" + "\n".join(lines)
+
+
+def wait_for_everyone(store, key: str, world_size: int, timeout_s: float = 120):
+    """A barrier outside the process group (which a failed lab case may have broken): count arrivals in the store."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank reached {key} within {timeout_s} s")
+        time.sleep(0.05)

@@ -31,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from utils.lab import wait_for_everyone  # noqa: E402
+
 STAGES, MICROBATCHES, MAX_IN_FLIGHT = 4, 4, 2  # the live run: 4 stages, 4 micro-batches, rank 0 holds at most 2
 TIMEOUT_S = 5.0  # how long a rank waits for a tensor before gloo gives up
 TOLERANCE = 1e-6  # the stages' gradients against one process on the whole batch (fp32)
@@ -219,16 +221,6 @@ def run_rank(lesson, reference, store, rank: int, world_size: int) -> dict:
     return outcome
 
 
-def wait_for_everyone(store, key: str, world_size: int, timeout_s: float = 60):
-    """A barrier outside the process group (which a deadlock may have broken): count arrivals in the store."""
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < world_size:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not every rank reached {key} within {timeout_s} s")
-        time.sleep(0.05)
-
-
 def main():
     parser = argparse.ArgumentParser(description="Lesson 05's debugging lab on live ranks")
     parser.add_argument("lesson", type=Path, help="the lesson script whose capped_warmup is run")
@@ -246,7 +238,7 @@ def main():
     started = time.perf_counter()
     outcome = run_rank(lesson, reference, store, rank, world_size)
     outcome["seconds"] = time.perf_counter() - started
-    wait_for_everyone(store, "lab/end", world_size)
+    wait_for_everyone(store, "lab/end", world_size, timeout_s=60)
     dist.init_process_group("gloo", store=dist.PrefixStore("lab/results/", store), rank=rank, world_size=world_size)
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, outcome)
