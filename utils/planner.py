@@ -196,7 +196,9 @@ def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "mi
 
     # Compute: 6 FLOPs per parameter per token (forward 2, backward 4), spread over every GPU.
     tokens = layout.dp * m * b * s
-    extra = {"none": 1.0, "selective": 1 + s / (6 * h), "full": 4 / 3}[layout.recompute]  # paper's eq. 9; +1 fwd
+    # Recomputation: selective adds the attention scores again, about s/6h (Korthikanti et al. 2022, eq. 9);
+    # full adds a whole forward, 2 of the 6 FLOPs.
+    extra = {"none": 1.0, "selective": 1 + s / (6 * h), "full": 4 / 3}[layout.recompute]
     pred.compute_s = 6 * model.params * tokens * extra / (cluster.gpus * cluster.peak_flops * cluster.mfu)
 
     # Tensor parallelism (Megatron): per layer 2 all-reduces forward, 2 backward (2 more when the forward is
