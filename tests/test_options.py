@@ -71,14 +71,25 @@ EFFECTS = {
         "--slow-steps": SHARED_RUN,
         "--slow-save": SHARED_RUN,
     },
+    "04": {
+        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
+        "--tp-impl": "test_tp_impl_and_sequence_parallel_change_the_layers_and_the_collectives",
+        "--sequence-parallel": "test_tp_impl_and_sequence_parallel_change_the_layers_and_the_collectives",
+    },
+    "05": {
+        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
+        "--pp-impl": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
+        "--schedule": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
+        "--microbatches": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
+        "--bubble-sweep": "test_bubble_sweep_runs_both_schedules_at_every_m_and_writes_the_file",
+        "--crash-at-step": "test_a_rank_dying_mid_schedule_ends_the_job",
+    },
 }
 # Options a script refuses beyond the shared ones it leaves out: lesson -> {option: a value to pass}.
 REFUSED = {"01": {"--seed": "1"}}  # lesson 01 draws no random numbers from it: it had no effect
 # Lessons whose options are not all in EFFECTS yet: their unlisted options are reported as expected failures.
 PENDING = {
     "03": "lesson 03's tests check its options through launches shared by many tests; name each option's test here",
-    "04": "lesson 04's tests check its options through launches shared by many tests; name each option's test here",
-    "05": "lesson 05's tests check its options through launches shared by many tests; name each option's test here",
 }
 # A value for each shared option, to pass it where it is refused.
 SAMPLE_VALUE = {"--autocast": "bf16", "--checkpoint": "model.pt", "--wandb": None, "--data-dir": "data"}
