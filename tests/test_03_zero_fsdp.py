@@ -16,6 +16,7 @@ debugging lab) is checked by utils/zero_lab.py at 3 ranks, against one process.
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -677,7 +678,10 @@ def test_strategy_all_trains_each_strategy_in_turn(run):
     """--strategy all: every strategy trains the same steps, one after the other, each reporting its own stage
     and writing its own weights (a single strategy, as in the test above, trains that one alone)."""
     result, metrics, _ = run.launch("two")
-    assert passed(result, "--strategy") == "all" and list(metrics["strategies"]) == STRATEGIES, metrics["strategies"]
+    trained = sorted(metrics["strategies"])
+    assert passed(result, "--strategy") == "all" and trained == sorted(STRATEGIES), trained
+    printed = re.findall(r"^\s*(\w+) step\s+4\s+loss", result.output, flags=re.MULTILINE)
+    assert printed == STRATEGIES, f"the strategies printed their last step in the order {printed}"
     for name in STRATEGIES:
         record = run.strategy("two", name, TODO[name])
         assert (record["strategy"], record["stage"]) == (name, STAGE[name]), (name, record["strategy"])
