@@ -57,6 +57,19 @@ EFFECTS = {
         "--save-dcp": "test_save_dcp_writes_every_ranks_shards_and_resume_starts_after_its_step",
         "--resume": "test_save_dcp_writes_every_ranks_shards_and_resume_starts_after_its_step",
     },
+    "04": {
+        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
+        "--tp-impl": "test_tp_impl_and_sequence_parallel_change_the_layers_and_the_collectives",
+        "--sequence-parallel": "test_tp_impl_and_sequence_parallel_change_the_layers_and_the_collectives",
+    },
+    "05": {
+        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
+        "--pp-impl": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
+        "--schedule": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
+        "--microbatches": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
+        "--bubble-sweep": "test_bubble_sweep_runs_both_schedules_at_every_m_and_writes_the_file",
+        "--crash-at-step": "test_a_rank_dying_mid_schedule_ends_the_job",
+    },
     "07": {
         **{option: SHARED_RUN for option in SHARED_OPTIONS},
         "--autocast": "test_autocast_bf16_runs_the_forward_in_bf16",
@@ -81,19 +94,6 @@ EFFECTS = {
         "--crash-during-save": "test_kill_during_save_keeps_the_previous_checkpoint",
         "--slow-steps": SHARED_RUN,
         "--slow-save": SHARED_RUN,
-    },
-    "04": {
-        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
-        "--tp-impl": "test_tp_impl_and_sequence_parallel_change_the_layers_and_the_collectives",
-        "--sequence-parallel": "test_tp_impl_and_sequence_parallel_change_the_layers_and_the_collectives",
-    },
-    "05": {
-        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
-        "--pp-impl": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
-        "--schedule": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
-        "--microbatches": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
-        "--bubble-sweep": "test_bubble_sweep_runs_both_schedules_at_every_m_and_writes_the_file",
-        "--crash-at-step": "test_a_rank_dying_mid_schedule_ends_the_job",
     },
 }
 # Options a script refuses beyond the shared ones it leaves out: lesson -> {option: a value to pass}.
