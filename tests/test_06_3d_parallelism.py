@@ -29,8 +29,12 @@ COMMON = [
 GLOBAL_BATCH = 8  # every run trains on lesson 00's batches of 8 sequences: dp x --batch-size = 8
 RUNS = {  # name: (processes, arguments); (pp, dp, tp) in the name
     "scratch_222_gpipe": (8, ["--tp", "2", "--pp", "2", "--batch-size", "4", "--schedule", "gpipe"]),
+    "scratch_222_1f1b": (8, ["--tp", "2", "--pp", "2", "--batch-size", "4", "--schedule", "1f1b"]),
     "scratch_212_1f1b": (4, ["--tp", "2", "--pp", "2", "--batch-size", "8", "--schedule", "1f1b"]),
     "builtin_222_1f1b": (8, ["--tp", "2", "--pp", "2", "--batch-size", "4", "--impl", "builtin"]),
+    "builtin_222_gpipe": (
+        8, ["--tp", "2", "--pp", "2", "--batch-size", "4", "--impl", "builtin", "--schedule", "gpipe"]
+    ),
     "builtin_221_gpipe": (
         4, ["--tp", "1", "--pp", "2", "--batch-size", "4", "--impl", "builtin", "--schedule", "gpipe"]
     ),
@@ -55,7 +59,8 @@ def script(lesson):
 def baseline(tmp_path_factory):
     """Lesson 00's solution on one process with the global batch: the reference every run is compared with."""
     folder = tmp_path_factory.mktemp("lesson00")
-    args = [*COMMON[:-2], "--batch-size", GLOBAL_BATCH, "--log-dir", folder / "runs", "--checkpoint", folder / "m.pt"]
+    args = [*COMMON[:-2], "--batch-size", GLOBAL_BATCH, "--log-dir", folder / "runs"]
+    args += ["--checkpoint", folder / "model.pt"]
     result = python(ROOT / "solutions" / "00_setup_and_baseline.py", args, tmp_path=folder).check()
     return result.metrics, weights(folder)
 
