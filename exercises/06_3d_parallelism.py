@@ -80,7 +80,7 @@ def coordinates(rank: int, layout: Layout) -> dict[str, int]:
     """Rank `rank`'s place in the grid: {"pp": stage, "dp": replica, "tp": shard}."""
     # TODO 1: the coordinates of a rank. TP is innermost (consecutive ranks are one TP group: the same node, the
     #   fastest link), then DP, then PP outermost: rank = pp * (dp_size * tp_size) + dp * tp_size + tp. Invert it
-    #   with // and %: tp = rank % tp_size, dp = (rank // tp_size) % dp_size, pp = rank // (dp_size * tp_size).
+    #   with // and % (the way you would read the digits of a number written in mixed bases).
     raise NotImplementedError("TODO 1: the coordinates of a rank")
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
+from tests.option_effects import check_shared_options, fake_wikitext
 from utils.distributed_utils import CourseError
 from utils.make_exercises import make_exercise
 
@@ -392,3 +393,19 @@ def test_output_is_clean_and_rank0_prints_once(run, needs, name):
     noisy = [line for line in lines if re.search(r"warn|\[W\d{4}|unwaited", line, re.IGNORECASE)]
     assert not noisy, f"{name} printed warnings:\n" + "\n".join(noisy[:6])
     assert lines[-1].startswith("FINISHED") and sum(line.startswith("FINISHED") for line in lines) == 1, lines[-3:]
+
+
+def test_shared_options_change_the_run(lesson, tmp_path):
+    """Every option of the shared command line but --autocast (refused), at a value other than its default, on one
+    process (a grid of 1 x 1 x 1, from scratch, 2 micro-batches): the run trains like the same steps written out
+    with PyTorch alone on lesson 00's batches (tests/option_effects.py), logged where it says."""
+    fake_wikitext(tmp_path / "data")
+    args = [
+        "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",
+        "--data-dir", tmp_path / "data", "--seq-len", 16, "--dim", 24, "--n-layers", 1, "--n-heads", 3,
+        "--log-dir", tmp_path / "runs", "--log-every", 2, "--wandb", "--checkpoint", tmp_path / "model.pt",
+        "--metrics-out", tmp_path / "metrics.json",
+    ]  # fmt: skip
+    result = python(lesson("06"), args, timeout=180, env=ENV)
+    finished(result, 6)
+    check_shared_options(result, order="generator")
