@@ -70,6 +70,14 @@ EFFECTS = {
         "--bubble-sweep": "test_bubble_sweep_runs_both_schedules_at_every_m_and_writes_the_file",
         "--crash-at-step": "test_a_rank_dying_mid_schedule_ends_the_job",
     },
+    "06": {
+        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
+        "--tp": "test_options_reach_the_run",
+        "--pp": "test_options_reach_the_run",
+        "--impl": "test_options_reach_the_run",
+        "--schedule": "test_options_reach_the_run",
+        "--microbatches": "test_options_reach_the_run",
+    },
     "07": {
         **{option: SHARED_RUN for option in SHARED_OPTIONS},
         "--autocast": "test_autocast_bf16_runs_the_forward_in_bf16",

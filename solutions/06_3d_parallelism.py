@@ -1,0 +1,383 @@
+"""Lesson 06: 3D parallelism. Data, tensor and pipeline parallelism at once, on a grid of ranks.
+
+The world's ranks form a grid pp x dp x tp. Each rank has coordinates (its pipeline stage, its data-parallel
+replica, its tensor-parallel shard) and belongs to one process group per dimension: the TP group (the ranks that
+split each layer of one stage), the DP group (the ranks holding the same shard of the same stage in different
+replicas) and the PP group (the stages of one replica's pipeline). TP is innermost: ranks 0..tp-1 are one TP
+group, on one node, where the links are fastest (a TP all-reduce runs in every layer); PP is outermost, so only
+the pipeline's activations cross nodes.
+
+From scratch, the pieces are the course's own: lesson 04's column- and row-parallel layers on the TP group,
+lesson 05's stages, schedules and point-to-point exchange between the pipeline neighbours of the grid, and
+gradients averaged over the DP group. Built in: one DeviceMesh (pp, dp, tp), DTensor tensor parallelism on
+mesh["tp"], FSDP2 on mesh["dp"], torch.distributed.pipelining on mesh["pp"]. Either way, dp replicas of
+--batch-size sequences each, in --microbatches micro-batches, train like one process on the global batch of
+dp x --batch-size sequences (compare with lesson 00).
+
+    torchrun --nproc_per_node=8 solutions/06_3d_parallelism.py --tp 2 --pp 2 --n-layers 4          # dp = 2
+    torchrun --nproc_per_node=8 solutions/06_3d_parallelism.py --tp 2 --pp 2 --impl builtin --schedule gpipe
+    torchrun --nproc_per_node=4 solutions/06_3d_parallelism.py --tp 2 --pp 1                           # dp = 2
+    sbatch slurm/06_3d_parallelism_2nodes.sbatch solutions       # the pipeline across 2 nodes, TP inside each
+"""
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from utils.data import load_token_dataset
+from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.grid import describe_placements, full_parameters, output_not_a_view
+from utils.lessons import lesson
+from utils.metrics import state_bytes, write_metrics
+from utils.model import build_model, count_parameters, loss_fn
+from utils.tensor_parallel import parameter_groups
+from utils.training import (
+    Logger,
+    Throughput,
+    base_parser,
+    build_optimizer,
+    check_batches,
+    model_config,
+    parse_args,
+    positive_int,
+)
+
+tensor_parallel = lesson("04")  # ColumnParallelLinear, RowParallelLinear, parallelize_scratch, apply_tensor_parallel
+pipeline = lesson("05")  # partition, build_stage, the step lists, p2p_plan, forward_step, backward_step, exchange
+
+DIMS = ("pp", "dp", "tp")  # outermost to innermost: rank = pp * (dp_size * tp_size) + dp * tp_size + tp
+
+
+# --------------------------------------------------------------------------------------------------
+# The rank grid: each rank's coordinates and its process group in every dimension
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The sizes of the grid's dimensions; their product is the world size."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+def coordinates(rank: int, layout: Layout) -> dict[str, int]:
+    """Rank `rank`'s place in the grid: {"pp": stage, "dp": replica, "tp": shard}."""
+    # TODO 1: the coordinates of a rank. TP is innermost (consecutive ranks are one TP group: the same node, the
+    #   fastest link), then DP, then PP outermost: rank = pp * (dp_size * tp_size) + dp * tp_size + tp. Invert it
+    #   with // and % (the way you would read the digits of a number written in mixed bases).
+    # BEGIN SOLUTION
+    return {
+        "pp": rank // (layout.dp * layout.tp),
+        "dp": rank // layout.tp % layout.dp,
+        "tp": rank % layout.tp,
+    }
+    # END SOLUTION
+
+
+def group_members(layout: Layout, dim: str) -> list[list[int]]:
+    """Every process group of dimension `dim`, as lists of global ranks: the ranks whose coordinates differ in
+    `dim` only. Groups ordered by their smallest rank, each group's ranks in ascending order (= its coordinate)."""
+    # TODO 2: the groups of one dimension. Two ranks share a `dim` group when all their OTHER coordinates are
+    #   equal. Walk the ranks in order, key each by its other coordinates (a tuple), and collect the ranks of each
+    #   key; a dict keeps the keys in the order they first appear.
+    # BEGIN SOLUTION
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(layout.world_size):
+        place = coordinates(rank, layout)
+        key = tuple(place[other] for other in DIMS if other != dim)
+        groups.setdefault(key, []).append(rank)
+    return list(groups.values())
+    # END SOLUTION
+
+
+@dataclass
+class Grid:
+    """This rank's view of the grid: its coordinates, and for each dimension its process group and its ranks."""
+
+    layout: Layout
+    rank: int
+    coords: dict[str, int]
+    groups: dict[str, object]  # dimension -> this rank's process group
+    members: dict[str, list[int]]  # dimension -> the global ranks of that group, in coordinate order
+
+
+def build_grid(rank: int, layout: Layout, new_group=dist.new_group) -> Grid:
+    """Create every process group of every dimension, and keep the ones this rank belongs to.
+
+    torch requires every rank to call new_group for every group, in the same order, even for the groups it is not
+    in: creating a group is a collective of the whole world (it agrees on the group's identity). A rank that only
+    creates its own groups waits forever for the others. `new_group` is torch's, or a stand-in in the tests."""
+    groups, members = {}, {}
+    # TODO 3: the process groups. For each dimension in DIMS order, for each of its groups (group_members), call
+    #   new_group(ranks) on EVERY rank; keep the group (and its ranks) in groups[dim] / members[dim] when this rank
+    #   is one of its ranks.
+    # BEGIN SOLUTION
+    for dim in DIMS:
+        for ranks in group_members(layout, dim):
+            group = new_group(ranks)
+            if rank in ranks:
+                groups[dim], members[dim] = group, ranks
+    # END SOLUTION
+    return Grid(layout, rank, coordinates(rank, layout), groups, members)
+
+
+# --------------------------------------------------------------------------------------------------
+# 3D training from scratch: lesson 04's layers, lesson 05's pipeline, gradients averaged over DP
+# --------------------------------------------------------------------------------------------------
+
+
+def replica_batch(batch: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """This rank's share of a global batch of dp x b sequences: the b sequences of its DP replica."""
+    # TODO 4: the replica's share of the batch. The dp replicas read different sequences; every rank of one
+    #   replica (all its stages, all its TP shards) reads the same ones: stage 0 embeds them, the last stage needs
+    #   their targets, and TP shards split layers, not sequences. Cut the batch into dp equal parts along dim 0 and
+    #   keep the part of this rank's DP coordinate. (gbs = micro-batch x micro-batches x dp.)
+    # BEGIN SOLUTION
+    return batch.chunk(grid.layout.dp)[grid.coords["dp"]]
+    # END SOLUTION
+
+
+def stage_rank(grid: Grid, stage: int) -> int:
+    """The global rank that runs pipeline stage `stage` for this rank's replica and TP shard: where lesson 05's
+    plan, written with stage numbers, must send an activation or a gradient."""
+    # TODO 5: a pipeline neighbour's global rank. Lesson 05 ran one stage per rank, so a stage number was a rank;
+    #   in the grid, this rank's pipeline is its PP group: the ranks with its dp and tp coordinates, one per stage,
+    #   in stage order (grid.members["pp"]). Stage s of it is members["pp"][s], which is s * dp * tp + the rank's
+    #   own dp * tp + tp: TP shard t of stage s talks to TP shard t of stage s + 1.
+    # BEGIN SOLUTION
+    return grid.members["pp"][stage]
+    # END SOLUTION
+
+
+def average_gradients(parameters, group):
+    """Average the gradients over the DP group (after the pipeline's backward, before the optimizer step).
+
+    The group holds the ranks with the same stage and TP shard in every replica: the same parameters (the same
+    shard of them), each with the gradient of a different part of the global batch."""
+    gradients = [p.grad for p in parameters if p.grad is not None]
+    # TODO 6: the data-parallel gradient average. Flatten the gradients into one buffer (torch.cat of .flatten():
+    #   one all-reduce instead of one per parameter), all-reduce it over `group` (a sum), divide by the group's size
+    #   (dist.get_world_size(group)), and copy each slice back into its gradient.
+    # BEGIN SOLUTION
+    flat = torch.cat([g.flatten() for g in gradients])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for gradient, average in zip(gradients, flat.split([g.numel() for g in gradients])):
+        gradient.copy_(average.view_as(gradient))
+    # END SOLUTION
+
+
+def build_scratch(args, grid: Grid, device: torch.device):
+    """This rank's stage: the whole model built from the seed, its projections sharded over the TP group with
+    lesson 04's layers, then cut to this rank's pipeline stage with lesson 05's build_stage."""
+    model = build_model(model_config(args), seed=args.seed)
+    tensor_parallel.parallelize_scratch(model, grid.groups["tp"])
+    return pipeline.build_stage(model, grid.coords["pp"], grid.layout.pp).to(device)
+
+
+def pipeline_step(stage, grid: Grid, steps, inputs, targets, n_microbatches: int, shape, device) -> torch.Tensor:
+    """One batch through this rank's stage, following lesson 05's step list; returns the replica's mean loss on
+    the last stage (0 elsewhere). Lesson 05's plan names stages; stage_rank turns them into global ranks."""
+    plan = [
+        [(op, stage_rank(grid, peer), what, mb) for op, peer, what, mb in batch]
+        for batch in pipeline.p2p_plan(steps, grid.coords["pp"], grid.layout.pp)
+    ]
+    micro_inputs, micro_targets = inputs.chunk(n_microbatches), targets.chunk(n_microbatches)
+    kept, buffers, losses = {}, {}, []  # kept: micro-batch -> (stage input, output) from its forward to its backward
+    for i, (kind, mb) in enumerate(steps):
+        pipeline.exchange(plan[i], buffers, shape, device)
+        if kind == "F":
+            x = micro_inputs[mb] if stage.first else buffers.pop(("activation", mb))
+            kept[mb] = pipeline.forward_step(stage, x, micro_targets[mb] if stage.last else None, n_microbatches)
+            output = kept[mb][1].detach()
+            if stage.last:
+                losses.append(output)
+            else:
+                buffers[("activation", mb)] = output
+        else:
+            received = None if stage.last else buffers.pop(("gradient", mb))
+            gradient = pipeline.backward_step(*kept.pop(mb), received)
+            if not stage.first:
+                buffers[("gradient", mb)] = gradient
+    pipeline.exchange(plan[-1], buffers, shape, device)  # the last step's send
+    return torch.stack(losses).sum() if stage.last else torch.zeros((), device=device)
+
+
+# --------------------------------------------------------------------------------------------------
+# The built-in: one DeviceMesh, DTensor TP on mesh["tp"], FSDP2 on mesh["dp"], pipelining on mesh["pp"]
+# --------------------------------------------------------------------------------------------------
+
+
+def parallelize_builtin(model, mesh, stage_index: int):
+    """Lesson 04's apply_tensor_parallel on the TP sub-mesh, lesson 05's stage, FSDP2 over the DP sub-mesh."""
+    # TODO 7: the built-in composition. Apply lesson 04's tensor_parallel.apply_tensor_parallel(model, mesh["tp"])
+    #   to the whole model; cut this rank's stage with pipeline.build_stage(model, stage_index, mesh["pp"].size());
+    #   then fully_shard(block, mesh=mesh["dp"]) for each of the stage's blocks (stage.blocks.values()), one
+    #   all-gather per block in forward, and last fully_shard(stage, mesh=mesh["dp"]) for what is left (the
+    #   embeddings, the final norm, the head). Return the stage.
+    # BEGIN SOLUTION
+    tensor_parallel.apply_tensor_parallel(model, mesh["tp"])
+    stage = pipeline.build_stage(model, stage_index, mesh["pp"].size())
+    for block in stage.blocks.values():
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(stage, mesh=mesh["dp"])
+    return stage
+    # END SOLUTION
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+
+def check_layout(args, world_size: int) -> Layout:
+    """Refuse what cannot run, with one line each, before any process waits for another."""
+    if world_size % (args.tp * args.pp):
+        raise CourseError(
+            f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} ranks per replica does not divide the "
+            f"{world_size} processes: launch a multiple of {args.tp * args.pp} processes, or change --tp/--pp"
+        )
+    tensor_parallel.check_tensor_parallel_size(model_config(args), args.tp, args.seq_len, False)  # whole heads
+    pipeline.partition(args.n_layers, args.pp)  # refuses more stages than blocks
+    if args.batch_size % args.microbatches:
+        raise CourseError(
+            f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal "
+            f"micro-batches; use a --batch-size that is a multiple of {args.microbatches}"
+        )
+    if args.impl == "builtin" and args.schedule == "1f1b" and args.microbatches < args.pp:
+        raise CourseError(
+            f"the built-in Schedule1F1B needs --microbatches >= --pp {args.pp} (got {args.microbatches}); "
+            "the from-scratch one (--impl scratch) runs any number"
+        )
+    return Layout(pp=args.pp, dp=world_size // (args.tp * args.pp), tp=args.tp)
+
+
+def batches(loader):
+    """Endless batches: start another pass over the data whenever one ends (as lesson 00 does)."""
+    while True:
+        yield from loader
+
+
+def main():
+    parser = base_parser(__doc__.splitlines()[0], without=("--autocast",))  # fp32 only: parity is exact
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (ranks per layer)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages; dp = world / (tp x pp)")
+    parser.add_argument("--impl", choices=["scratch", "builtin"], default="scratch", help="which 3D parallelism")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="the pipeline schedule")
+    parser.add_argument("--microbatches", type=positive_int, default=2, help="micro-batches per --batch-size batch")
+    args = parse_args(parser)
+    layout = check_layout(args, int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1))))
+    local_rank, rank, device, world_size = setup(args.seed)
+    place = coordinates(rank, layout)
+    everyone = [coordinates(r, layout) for r in range(world_size)]
+    print0(
+        f"{world_size} ranks = pp {layout.pp} x dp {layout.dp} x tp {layout.tp} | global batch {layout.dp} x "
+        f"{args.batch_size} = {layout.dp * args.batch_size} sequences, {args.microbatches} micro-batches of "
+        f"{args.batch_size // args.microbatches} per replica | --impl {args.impl} --schedule {args.schedule} | "
+        f"model: {count_parameters(model_config(args)):,} parameters | device {device.type}"
+    )
+    print0("rank (pp, dp, tp): " + ", ".join(f"{r} {tuple(c.values())}" for r, c in enumerate(everyone)))
+
+    shapes = {name: p.shape for name, p in build_model(model_config(args), seed=args.seed).named_parameters()}
+    if args.impl == "scratch":
+        grid = build_grid(rank, layout)
+        stage = build_scratch(args, grid, device)
+        tp_group, dp_group = grid.groups["tp"], grid.groups["dp"]
+        steps = pipeline.SCRATCH_SCHEDULES[args.schedule](layout.pp, args.microbatches, place["pp"])
+    else:
+        mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=DIMS)
+        if dict(zip(DIMS, mesh.get_coordinate())) != place:
+            raise CourseError(f"TODO 1: rank {rank} is {place}, but the DeviceMesh puts it at {mesh.get_coordinate()}")
+        grid = Grid(layout, rank, place, groups={}, members={})  # the mesh holds the groups
+        stage = parallelize_builtin(build_model(model_config(args), seed=args.seed).to(device), mesh, place["pp"])
+        if stage.last:
+            output_not_a_view(stage)  # the logits, else FSDP2 warns (see utils/grid.py)
+        tp_group, dp_group = mesh["tp"].get_group(), None
+        schedule = pipeline.build_builtin_schedule(
+            [stage], [place["pp"]], layout.pp, mesh["pp"].get_group(), device, args.schedule, args.microbatches, loss_fn
+        )
+    optimizer = build_optimizer(parameter_groups(stage), args)
+
+    train_set = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train_set), args, 1, per_step=layout.dp, what="global batch")
+    generator = torch.Generator().manual_seed(args.seed)  # lesson 00's order of batches, dp x --batch-size each
+    loader = torch.utils.data.DataLoader(
+        train_set, batch_size=layout.dp * args.batch_size, shuffle=True, drop_last=True, generator=generator
+    )
+    shape = (args.batch_size // args.microbatches, args.seq_len, args.dim)  # what travels between stages
+    logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
+    losses = []
+    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(loader)):
+        inputs, targets = inputs.to(device), targets.to(device)
+        optimizer.zero_grad(set_to_none=True)
+        dist.barrier()  # with NCCL, a collective before the first batch_isend_irecv lets it involve some ranks only
+        mine, theirs = replica_batch(inputs, grid), replica_batch(targets, grid)
+        if args.impl == "scratch":
+            loss = pipeline_step(stage, grid, steps, mine, theirs, args.microbatches, shape, device)
+            average_gradients(stage.parameters(), dp_group)
+        else:
+            kept = []
+            schedule.step(
+                *((mine,) if stage.first else ()), **({"target": theirs, "losses": kept} if stage.last else {})
+            )  # FSDP2 averages the gradients over the DP sub-mesh in its reduce-scatter
+            loss = torch.stack(kept).mean() if stage.last else torch.zeros((), device=device)
+        optimizer.step()
+        # Every TP shard of every replica's last stage holds its replica's loss: their mean is the global batch's.
+        loss = loss / (layout.dp * layout.tp) if stage.last else loss
+        dist.all_reduce(loss)
+        losses.append(loss.item())
+        throughput.step(inputs.numel())
+        logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)
+        if step % args.log_every == 0 or step == args.steps:
+            print0(f"step {step:4d}  loss {losses[-1]:.4f}")
+    logger.close()
+
+    full, checksum = full_parameters(stage, tp_group, shapes, keep=place["dp"] == 0 and place["tp"] == 0)
+    if args.checkpoint:
+        save0({"model": full, "config": vars(model_config(args))}, args.checkpoint)
+        print0(f"saved the full model to {args.checkpoint}")
+    held: list = [None] * world_size
+    dist.all_gather_object(held, state_bytes(stage, optimizer))
+    fsdp = [name for name, module in stage.named_modules() if type(module).__name__.startswith("FSDP")]
+    write_metrics(
+        args.metrics_out,
+        final_loss=losses[-1],
+        losses=losses,
+        steps=len(losses),
+        tokens_per_s=throughput.tokens_per_s,
+        param_checksum=checksum,
+        layout={"pp": layout.pp, "dp": layout.dp, "tp": layout.tp},
+        coordinates=everyone,
+        global_batch=layout.dp * args.batch_size,
+        microbatches=args.microbatches,
+        bytes_per_rank=held,
+        impl=args.impl,
+        schedule=args.schedule,
+        optimizer=args.optimizer,
+        dataset=args.dataset,
+        partition=pipeline.partition(args.n_layers, layout.pp),
+        fsdp_modules=fsdp,
+        placements=describe_placements(stage),
+    )
+    print0(f"throughput: {throughput.tokens_per_s:,.0f} tokens/s on {world_size} x {device.type}")
+    print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
+    del optimizer, stage
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)

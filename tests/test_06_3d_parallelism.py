@@ -1,0 +1,411 @@
+"""Lesson 06: a grid of pp x dp x tp ranks trains exactly like one process, from scratch and built in.
+
+pytest tests/test_06_3d_parallelism.py                      # the solution
+pytest tests/test_06_3d_parallelism.py --target exercises   # your exercise (make check LESSON=06)
+
+The reference is never the learner's own code: the grid (TODOs 1-5) is checked in pure Python against a tensor
+of ranks reshaped to (pp, dp, tp); the DP average (TODO 6) on 4 ranks against the mean computed without
+communication; the runs against lesson 00's solution on one process (the same global batches, the same seed).
+A test that needs earlier TODOs is skipped, naming them, until their own tests pass. The 3D runs are launched
+once each and shared; no test asserts on a timing.
+"""
+
+import argparse
+import importlib.util
+import re
+
+import pytest
+import torch
+
+from tests.launch import ROOT, course_env, finished, python, torchrun
+from tests.option_effects import check_shared_options, fake_wikitext
+from utils.distributed_utils import CourseError
+from utils.make_exercises import make_exercise
+
+TOLERANCE = 1e-6  # fp32, SGD: the layouts and one process differ only by the order of additions
+COMMON = [
+    "--dim", "32", "--n-layers", "4", "--n-heads", "2", "--seq-len", "32", "--steps", "3",
+    "--optimizer", "sgd", "--log-every", "1", "--microbatches", "2",
+]  # fmt: skip
+GLOBAL_BATCH = 8  # every run trains on lesson 00's batches of 8 sequences: dp x --batch-size = 8
+RUNS = {  # name: (processes, arguments); (pp, dp, tp) in the name
+    "scratch_222_gpipe": (8, ["--tp", "2", "--pp", "2", "--batch-size", "4", "--schedule", "gpipe"]),
+    "scratch_222_1f1b": (8, ["--tp", "2", "--pp", "2", "--batch-size", "4", "--schedule", "1f1b"]),
+    "scratch_212_1f1b": (4, ["--tp", "2", "--pp", "2", "--batch-size", "8", "--schedule", "1f1b"]),
+    "builtin_222_1f1b": (8, ["--tp", "2", "--pp", "2", "--batch-size", "4", "--impl", "builtin"]),
+    "builtin_222_gpipe": (
+        8, ["--tp", "2", "--pp", "2", "--batch-size", "4", "--impl", "builtin", "--schedule", "gpipe"]
+    ),
+    "builtin_221_gpipe": (
+        4, ["--tp", "1", "--pp", "2", "--batch-size", "4", "--impl", "builtin", "--schedule", "gpipe"]
+    ),
+}  # fmt: skip
+SCRATCH = [name for name in RUNS if name.startswith("scratch")]
+BUILTIN = [name for name in RUNS if name.startswith("builtin")]
+ENV = course_env(PYTHONPATH=ROOT)  # `import utils` also for a script in another folder (--target-dir)
+# (pp, dp, tp): 8 ranks every way, 2 nodes x 4 GPUs, and dimensions of size 1
+SHAPES = [(1, 1, 1), (2, 2, 2), (1, 2, 4), (4, 2, 1), (2, 1, 4), (1, 8, 1), (8, 1, 1), (1, 1, 8), (3, 2, 2), (2, 3, 1)]
+
+
+@pytest.fixture(scope="module")
+def script(lesson):
+    """The lesson script imported as a module (its functions, without running main)."""
+    spec = importlib.util.spec_from_file_location("lesson06_under_test", lesson("06"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """Lesson 00's solution on one process with the global batch: the reference every run is compared with."""
+    folder = tmp_path_factory.mktemp("lesson00")
+    args = [*COMMON[:-2], "--batch-size", GLOBAL_BATCH, "--log-dir", folder / "runs"]
+    args += ["--checkpoint", folder / "model.pt"]
+    result = python(ROOT / "solutions" / "00_setup_and_baseline.py", args, tmp_path=folder).check()
+    return result.metrics, weights(folder)
+
+
+@pytest.fixture(scope="module")
+def run(lesson, tmp_path_factory):
+    """run(name) -> (Run, folder): launches RUNS[name] the first time it is asked for."""
+    tmp, done = tmp_path_factory.mktemp("lesson06"), {}
+
+    def launch(name):
+        if name not in done:
+            nproc, extra = RUNS[name]
+            folder = tmp / name
+            folder.mkdir()
+            args = [*COMMON, *extra, "--log-dir", folder / "runs", "--checkpoint", folder / "model.pt"]
+            done[name] = torchrun(lesson("06"), nproc, args, tmp_path=folder, env=ENV, timeout=300), folder
+        return done[name]
+
+    return launch
+
+
+def weights(folder) -> dict:
+    return torch.load(folder / "model.pt", weights_only=True)["model"]
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), f"different parameters: {sorted(a.keys() ^ b.keys())[:4]}"
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def call(todo: int, function, *args):
+    """function(*args), or a failure naming the TODO when the exercise has not done it yet or raises."""
+    try:
+        return function(*args)
+    except NotImplementedError as error:
+        pytest.fail(f"TODO {todo}: not done yet ({error})", pytrace=False)
+    except Exception as error:  # a learner's mistake that raises: name the TODO, keep the cause
+        pytest.fail(f"TODO {todo}: {function.__name__} raised {type(error).__name__}: {error}", pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference grid: the world's ranks as a tensor of shape (pp, dp, tp), TP innermost
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def ranks_tensor(pp, dp, tp) -> torch.Tensor:
+    return torch.arange(pp * dp * tp).reshape(pp, dp, tp)
+
+
+def reference_coordinates(rank, pp, dp, tp) -> dict:
+    where = (ranks_tensor(pp, dp, tp) == rank).nonzero()[0].tolist()
+    return dict(zip(("pp", "dp", "tp"), where))
+
+
+def reference_groups(pp, dp, tp, dim) -> list[list[int]]:
+    """The groups of `dim`: move that axis last and read the rows, ordered by their smallest rank."""
+    axis = ("pp", "dp", "tp").index(dim)
+    rows = ranks_tensor(pp, dp, tp).movedim(axis, -1).reshape(-1, (pp, dp, tp)[axis]).tolist()
+    return sorted(rows, key=lambda row: row[0])
+
+
+def reference_grid(script, rank, pp, dp, tp):
+    """A Grid built here from the reference (not with the learner's TODOs 1-3), with placeholder groups."""
+    members = {dim: next(g for g in reference_groups(pp, dp, tp, dim) if rank in g) for dim in ("pp", "dp", "tp")}
+    layout = script.Layout(pp=pp, dp=dp, tp=tp)
+    return script.Grid(layout, rank, reference_coordinates(rank, pp, dp, tp), {d: None for d in members}, members)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The checks of each TODO on its own, as functions: the tests call them, and later TODOs' tests call them first
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_todo1(script):
+    for pp, dp, tp in SHAPES:
+        layout = script.Layout(pp=pp, dp=dp, tp=tp)
+        for rank in range(pp * dp * tp):
+            got = call(1, script.coordinates, rank, layout)
+            want = reference_coordinates(rank, pp, dp, tp)
+            assert got == want, f"TODO 1: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank} is at {want}, got {got}"
+    # 2 nodes x 4 GPUs at pp = dp = tp = 2: a node's ranks are one stage; its TP pairs are consecutive ranks.
+    two_nodes = script.Layout(pp=2, dp=2, tp=2)
+    for rank in range(8):
+        assert script.coordinates(rank, two_nodes)["pp"] == rank // 4, "TODO 1: PP is the outermost dimension"
+
+
+def check_todo2(script):
+    for pp, dp, tp in SHAPES:
+        layout = script.Layout(pp=pp, dp=dp, tp=tp)
+        for dim in ("pp", "dp", "tp"):
+            got = call(2, script.group_members, layout, dim)
+            want = reference_groups(pp, dp, tp, dim)
+            assert got == want, f"TODO 2: (pp, dp, tp) = {(pp, dp, tp)}: the {dim} groups are {want}, got {got}"
+
+
+def check_todo3(script):
+    for pp, dp, tp in SHAPES:
+        layout = script.Layout(pp=pp, dp=dp, tp=tp)
+        calls = {}
+        for rank in range(pp * dp * tp):  # every rank of the world, simulated: what it asks torch for, in order
+            asked = []
+
+            def new_group(ranks, asked=asked):
+                asked.append(list(ranks))
+                return f"group {list(ranks)}"
+
+            grid = call(3, script.build_grid, rank, layout, new_group)
+            calls[rank] = asked
+            for dim in ("pp", "dp", "tp"):
+                members = grid.members.get(dim)
+                assert members is not None and rank in members, (
+                    f"TODO 3: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank} keeps {members} as its {dim} group"
+                )
+                assert grid.groups[dim] == f"group {members}", (
+                    f"TODO 3: rank {rank} keeps the handle of another group than {members} as its {dim} group"
+                )
+        expected = [g for dim in ("pp", "dp", "tp") for g in reference_groups(pp, dp, tp, dim)]
+        for rank, asked in calls.items():
+            assert asked == expected, (
+                f"TODO 3: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank} creates {asked}, but every rank must create "
+                f"every group, in the same order ({expected}): creating a group is a collective of the whole world"
+            )
+
+
+def check_todo4(script):
+    for pp, dp, tp in SHAPES:
+        batch = torch.arange(dp * 3 * 5).reshape(dp * 3, 5)  # 3 sequences of 5 tokens per replica
+        for rank in range(pp * dp * tp):
+            grid = reference_grid(script, rank, pp, dp, tp)
+            got = call(4, script.replica_batch, batch, grid)
+            d = grid.coords["dp"]
+            assert torch.equal(got, batch[3 * d : 3 * (d + 1)]), (
+                f"TODO 4: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank} (replica {d}) should read sequences "
+                f"{3 * d}..{3 * d + 2} of the global batch, got {got[:, 0].tolist()} (first tokens)"
+            )
+
+
+def check_todo5(script):
+    for pp, dp, tp in SHAPES:
+        for rank in range(pp * dp * tp):
+            grid = reference_grid(script, rank, pp, dp, tp)
+            for stage in range(pp):
+                got = call(5, script.stage_rank, grid, stage)
+                want = int(ranks_tensor(pp, dp, tp)[stage, grid.coords["dp"], grid.coords["tp"]])
+                assert got == want, (
+                    f"TODO 5: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank}'s stage {stage} is rank {want} (same replica, "
+                    f"same TP shard), got {got}"
+                )
+
+
+def check_todo6(script, lesson):
+    result = torchrun(ROOT / "tests" / "workers" / "three_d_average.py", 4, [lesson("06")], env=ENV, timeout=180)
+    lines = [line for line in result.output.splitlines() if line.startswith("TODO 6:")]
+    assert result.returncode == 0, lines[0] if lines else f"TODO 6: the check failed:\n{result.tail()}"
+
+
+CHECKS = {1: check_todo1, 2: check_todo2, 3: check_todo3, 4: check_todo4, 5: check_todo5}
+
+
+@pytest.fixture(scope="module")
+def needs(script):
+    """needs(1, 4, ...): skip this test, naming them, while those TODOs fail their own checks."""
+    outcome = {}
+
+    def check(*todos):
+        for todo in todos:
+            if todo not in outcome:
+                try:
+                    CHECKS[todo](script)
+                    outcome[todo] = True
+                except BaseException:  # AssertionError, or pytest.fail's exception
+                    outcome[todo] = False
+        failing = [todo for todo in todos if not outcome[todo]]
+        if failing:
+            pytest.skip(f"needs TODO {', '.join(map(str, failing))} first (see its own test)")
+
+    return check
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure Python: each TODO of the grid against the reference
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_todo1_coordinates_tp_innermost_pp_outermost(script):
+    check_todo1(script)
+
+
+def test_todo2_groups_of_each_dimension(script):
+    check_todo2(script)
+
+
+def test_todo3_every_rank_creates_every_group_in_the_same_order(script, needs):
+    needs(1, 2)
+    check_todo3(script)
+
+
+def test_todo4_each_replica_reads_its_share_of_the_global_batch(script):
+    check_todo4(script)
+
+
+def test_todo5_pipeline_neighbours_are_global_ranks_of_the_same_replica_and_shard(script):
+    check_todo5(script)
+
+
+def test_todo6_gradients_averaged_over_the_dp_group(script, lesson):
+    check_todo6(script, lesson)
+
+
+def test_refused_layouts(script):
+    def args(**changes):
+        values = dict(tp=2, pp=2, n_heads=2, dim=32, n_layers=4, seq_len=32, batch_size=4, microbatches=2)
+        return argparse.Namespace(**{**values, "impl": "scratch", "schedule": "1f1b", **changes})
+
+    for changes, world_size, words in [
+        ({}, 6, "does not divide the 6 processes"),
+        (dict(tp=4), 8, "does not divide --n-heads 2"),
+        (dict(pp=8, tp=1), 8, "--n-layers 8 or more"),
+        (dict(batch_size=3), 8, "multiple of 2"),
+        (dict(impl="builtin", microbatches=1, batch_size=4), 8, "--microbatches >= --pp 2"),
+    ]:
+        with pytest.raises(CourseError, match=re.escape(words)) as refused:
+            script.check_layout(args(**changes), world_size)
+        assert "\n" not in str(refused.value), f"one line: {refused.value}"
+    layout = script.check_layout(args(), 8)
+    assert (layout.pp, layout.dp, layout.tp) == (2, 2, 2)
+
+
+def test_a_refused_layout_ends_the_script_with_one_line(lesson, tmp_path):
+    result = python(lesson("06"), [*COMMON, "--tp", "2", "--log-dir", tmp_path / "runs"], env=ENV, timeout=90)
+    errors = [line for line in result.output.splitlines() if "ERROR:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.tail()
+    assert "--tp 2 x --pp 1 = 2 ranks per replica does not divide the 1 processes" in errors[0], errors[0]
+    assert "Traceback" not in result.output, result.tail()
+
+
+def test_untouched_exercise_stops_at_todo1(tmp_path):
+    solution = ROOT / "solutions" / "06_3d_parallelism.py"
+    exercise = tmp_path / "exercises" / solution.name
+    exercise.parent.mkdir()
+    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    result = python(exercise, [*COMMON, "--log-dir", tmp_path / "runs"], env=ENV, timeout=90)
+    assert result.returncode == 2 and "ERROR: TODO 1: the coordinates of a rank is not done yet" in result.output, (
+        result.tail()
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs, against lesson 00's solution on one process
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_parity(todo: int, name: str, run, baseline):
+    reference, reference_weights = baseline
+    result, folder = run(name)
+    metrics = finished(result, todo)
+    difference = max_difference(weights(folder), reference_weights)
+    assert difference <= TOLERANCE, (
+        f"TODO {todo}: after 3 SGD steps, {name} differs from lesson 00 on one process by {difference:.1e} on some "
+        "parameter"
+    )
+    assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5), f"TODO {todo}: {metrics['losses']}"
+    assert metrics["param_checksum"] == pytest.approx(reference["param_checksum"], rel=1e-9), f"TODO {todo}: checksum"
+    return metrics
+
+
+@pytest.mark.parametrize("name", SCRATCH)
+def test_todo6_scratch_3d_matches_lesson_00(run, baseline, needs, script, lesson, name):
+    needs(1, 2, 3, 4, 5)
+    check_parity(6, name, run, baseline)
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_todo7_builtin_3d_matches_lesson_00(run, baseline, needs, name):
+    needs(1)
+    metrics = check_parity(7, name, run, baseline)
+    layout = metrics["layout"]
+    stages = metrics["partition"]
+    # Every rank wraps each block of its stage, then the stage: FSDP's unit is a block, as in lesson 03.
+    blocks_of_rank0 = [f"blocks.{i}" for i in range(*stages[0])]
+    assert sorted(metrics["fsdp_modules"]) == sorted(["", *blocks_of_rank0]), (
+        f"TODO 7: rank 0's FSDP modules are {metrics['fsdp_modules']}: fully_shard each block, then the stage"
+    )
+    placements = metrics["placements"][f"blocks.{stages[0][0]}.attention.q_proj.weight"]
+    assert "tp: S(0)" in placements or layout["tp"] == 1, f"TODO 7: q_proj is not sharded over tp: {placements}"
+    assert any(p.startswith("dp: ") and "S(0" in p for p in placements), f"TODO 7: not sharded over dp: {placements}"
+
+
+def test_options_reach_the_run(run, needs):
+    """--tp, --pp, --impl, --schedule and --microbatches as each run's metrics record them."""
+    needs(1, 2, 3, 4, 5)
+    for name, (nproc, extra) in RUNS.items():
+        metrics = finished(run(name)[0], 6 if name in SCRATCH else 7)
+        given = dict(zip(extra[::2], extra[1::2]))
+        layout = metrics["layout"]
+        assert layout["tp"] == int(given["--tp"]) and layout["pp"] == int(given["--pp"]), (name, layout)
+        assert layout["dp"] * layout["tp"] * layout["pp"] == nproc == metrics["world_size"], (name, layout)
+        assert metrics["impl"] == given.get("--impl", "scratch"), (name, metrics["impl"])
+        assert metrics["schedule"] == given.get("--schedule", "1f1b"), (name, metrics["schedule"])
+        assert metrics["microbatches"] == int(dict(zip(COMMON[::2], COMMON[1::2]))["--microbatches"])
+        assert metrics["global_batch"] == layout["dp"] * int(given["--batch-size"]) == GLOBAL_BATCH
+        want = [reference_coordinates(r, layout["pp"], layout["dp"], layout["tp"]) for r in range(nproc)]
+        assert metrics["coordinates"] == want, (name, metrics["coordinates"])
+
+
+def test_model_state_is_split_over_the_grid(run, baseline, needs):
+    """Each rank holds a share of the parameters; the DP replicas of a (stage, TP shard) hold the same share
+    from scratch (replicated), and FSDP splits it further over dp built in."""
+    needs(1, 2, 3, 4, 5)
+    whole = baseline[0]["bytes_per_rank"]["params"]
+    scratch = finished(run("scratch_222_gpipe")[0], 6)
+    builtin = finished(run("builtin_222_1f1b")[0], 7)
+    for metrics in (scratch, builtin):
+        assert all(held["params"] < whole for held in metrics["bytes_per_rank"]), metrics["bytes_per_rank"]
+    by_place = {}
+    for coords, held in zip(scratch["coordinates"], scratch["bytes_per_rank"]):
+        by_place.setdefault((coords["pp"], coords["tp"]), set()).add(held["params"])
+    assert all(len(sizes) == 1 for sizes in by_place.values()), f"DP replicas hold different shares: {by_place}"
+    assert sum(h["params"] for h in builtin["bytes_per_rank"]) < sum(h["params"] for h in scratch["bytes_per_rank"])
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_output_is_clean_and_rank0_prints_once(run, needs, name):
+    """No warnings (DTensor's redistribution of FSDP x TP shards, FSDP2's view output, unwaited collectives)."""
+    needs(1, 2, 3, 4, 5)
+    result, _ = run(name)
+    finished(result, 6 if name in SCRATCH else 7)
+    lines = result.output.rstrip().splitlines()
+    noisy = [line for line in lines if re.search(r"warn|\[W\d{4}|unwaited", line, re.IGNORECASE)]
+    assert not noisy, f"{name} printed warnings:\n" + "\n".join(noisy[:6])
+    assert lines[-1].startswith("FINISHED") and sum(line.startswith("FINISHED") for line in lines) == 1, lines[-3:]
+
+
+def test_shared_options_change_the_run(lesson, tmp_path):
+    """Every option of the shared command line but --autocast (refused), at a value other than its default, on one
+    process (a grid of 1 x 1 x 1, from scratch, 2 micro-batches): the run trains like the same steps written out
+    with PyTorch alone on lesson 00's batches (tests/option_effects.py), logged where it says."""
+    fake_wikitext(tmp_path / "data")
+    args = [
+        "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",
+        "--data-dir", tmp_path / "data", "--seq-len", 16, "--dim", 24, "--n-layers", 1, "--n-heads", 3,
+        "--log-dir", tmp_path / "runs", "--log-every", 2, "--wandb", "--checkpoint", tmp_path / "model.pt",
+        "--metrics-out", tmp_path / "metrics.json",
+    ]  # fmt: skip
+    result = python(lesson("06"), args, timeout=180, env=ENV)
+    finished(result, 6)
+    check_shared_options(result, order="generator")
