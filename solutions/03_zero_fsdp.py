@@ -17,13 +17,9 @@ checkpoints that load at another world size. Every strategy trains exactly like 
 """
 
 import argparse
-import json
 import math
-import os
 import sys
 import warnings
-from contextlib import nullcontext
-from functools import partial
 from itertools import count
 from pathlib import Path
 
@@ -33,45 +29,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from utils.data import load_token_dataset
-from utils.distributed_utils import (
-    CourseError,
-    destroy_process_group,
-    is_root_process,
-    load_sharded_model,
-    print0,
-    run_main,
-    save0,
-    save_full_model,
-    save_sharded_model,
-    setup,
-)
-from utils.group_bytes import CountCollectives
-from utils.memory import model_state_bytes, peak_model_state_bytes
-from utils.metrics import param_checksum, state_bytes, write_metrics
+from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
+from utils.metrics import write_metrics
 from utils.model import build_model, count_parameters, loss_fn
-from utils.training import (
-    DEFAULT_LR,
-    Logger,
-    Throughput,
-    base_parser,
-    check_batches,
-    model_config,
-    non_negative_float,
-    parse_args,
-    positive_int,
+from utils.training import DEFAULT_LR, Logger, Throughput, check_batches, model_config, parse_args
+from utils.zero_checkpoint import resume, save_checkpoints
+from utils.zero_metrics import (
+    FirstStep,
+    average,
+    counting_allreduce_hook,
+    finish_record,
+    full_checksum,
+    optimizer_checksum,
+    report,
 )
-from utils.zero_metrics import Activations, GradientPeak, built_layout, gradient_norms, in_flight, peak_bytes
+from utils.zero_options import lesson_parser, settle
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
 STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}  # what each strategy shards
@@ -98,18 +76,6 @@ def reduce_scatter(shard, full, group=None):
     """The average over ranks of `full`, of which this rank receives its own slice into `shard`."""
     WIRE["reduce_scatter"] += full.numel() * full.element_size()
     dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG, group=group)
-
-
-def wire_volume(wire: dict) -> int:
-    """In units of 'one reduce-scatter or one all-gather of the data': an all-reduce is both, so it counts twice.
-    A ring moves (N-1)/N of this volume through each rank's link (the bus bytes)."""
-    return 2 * wire["all_reduce"] + wire["all_gather"] + wire["reduce_scatter"]
-
-
-def counting_allreduce_hook(process_group, bucket):
-    """DDP's own all-reduce of a gradient bucket, counted like the hand-written collectives."""
-    WIRE["all_reduce"] += bucket.buffer().numel() * bucket.buffer().element_size()
-    return default_hooks.allreduce_hook(process_group, bucket)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -440,15 +406,14 @@ class Zero3(nn.Module):
 
     def _after_forward(self, unit, output):
         # TODO 6: the ZeRO-3 schedule after a unit's forward. free() its gathered parameters (when
-        #   self.reshards(unit)), and register a hook on each output tensor that requires grad, calling
-        #   self._before_backward(unit, grad): autograd runs it when backward reaches the unit's output, before
-        #   the unit's own backward, so the parameters are gathered again just in time. Return the output.
+        #   self.reshards(unit)), and register a hook on each tensor of output_tensors(output) that requires grad,
+        #   calling self._before_backward(unit, grad): autograd runs it when backward reaches the unit's output,
+        #   before the unit's own backward, so the parameters are gathered again just in time. Return the output.
         # BEGIN SOLUTION
         if self.reshards(unit):
             unit.free()
-        tensors = output if isinstance(output, (tuple, list)) else [output]
-        for tensor in tensors:
-            if torch.is_tensor(tensor) and tensor.requires_grad:
+        for tensor in output_tensors(output):
+            if tensor.requires_grad:
                 tensor.register_hook(lambda grad, unit=unit: self._before_backward(unit, grad))
         return output
         # EXERCISE
@@ -574,7 +539,7 @@ def wrap(strategy, model, args, device, world_size):
     n_params = sum(p.numel() for p in model.parameters())
     if strategy == "ddp":
         model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        model.register_comm_hook(None, counting_allreduce_hook)
+        model.register_comm_hook(WIRE, counting_allreduce_hook)  # DDP's all-reduces, counted too
         return model, cls(model.parameters(), **kwargs), 1, n_params, None
     if strategy in ("zero1", "zero2"):
         optimizer = ZeroOptimizer(
@@ -599,97 +564,9 @@ def wrap(strategy, model, args, device, world_size):
     return model, cls(model.parameters(), **kwargs), shard_ranks, padded, mesh
 
 
-def mesh_groups(mesh) -> dict:
-    """FSDP2's process groups by their mesh dimension's name: "shard" (and "replicate" for HSDP)."""
-    return {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
-
-
-def full_checksum(model) -> float:
-    if isinstance(model, Zero3):
-        return sum(float(t.double().pow(2).sum()) for t in model.full_state_dict().values())
-    return param_checksum(model)
-
-
-def held_bytes(model, optimizer) -> dict:
-    """Bytes of parameters, gradients and optimizer state this rank holds now (measured from its tensors)."""
-    held = state_bytes(model, optimizer)  # model.parameters() (local shards of DTensors), .grad, optimizer.state
-    if isinstance(optimizer, ZeroOptimizer):  # ZeRO-2 keeps its gradient shards on the inner optimizer's tensors
-        held["grads"] += sum(f["shard"].grad.numel() * 4 for f in optimizer.flats if f["shard"].grad is not None)
-    return held
-
-
-def optimizer_checksum(model, optimizer) -> float | None:
-    """Sum of squares of the full optimizer state (a collective for sharded models); None for ZeRO-1/2."""
-    if isinstance(optimizer, ZeroOptimizer) or isinstance(model, Zero3):
-        return None
-    state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))[1]["state"]
-    return sum(float(v.double().pow(2).sum()) for s in state.values() for v in s.values() if v.dim() > 0)
-
-
-def checkpoint_meta(path: Path) -> Path:
-    return path / "course.json" if path.is_dir() or not path.suffix else path.with_name(path.name + ".json")
-
-
-def resume(path: Path, model, optimizer, config) -> int:
-    """Load a DCP folder (any world size) or a full-state file into model and optimizer; return its step.
-    Every problem with the checkpoint ends in one CourseError naming the path and the cause."""
-    if not path.exists():
-        raise CourseError(f"--resume {path}: no such checkpoint (a --save-dcp folder or a --checkpoint file)")
-    if path.is_dir() and not (path / ".metadata").exists():
-        raise CourseError(f"--resume {path}: no distributed checkpoint in this folder (its .metadata file is missing)")
-    if path.is_dir():  # read the index first: DCP prints tracebacks of its own when it cannot
-        try:
-            FileSystemReader(path).read_metadata()
-        except Exception as error:
-            raise CourseError(f"--resume {path}: its .metadata file is damaged ({gist(error)})") from None
-    meta_path = checkpoint_meta(path)
-    try:
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    except (OSError, ValueError) as error:
-        raise CourseError(f"--resume {path}: its description {meta_path.name} is damaged ({gist(error)})") from None
-    if meta.get("config", vars(config)) != vars(config):
-        theirs = {k: v for k, v in meta["config"].items() if vars(config).get(k) != v}
-        raise CourseError(
-            f"--resume {path}: the checkpoint holds another model ({theirs}, this run builds "
-            f"{ {k: vars(config)[k] for k in theirs} }); use the model options it was saved with"
-        )
-    if path.is_file():
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # not a torch file, or a truncated one
-            raise CourseError(f"--resume {path}: not a checkpoint file, or a damaged one ({gist(error)})") from None
-    try:
-        if path.is_dir():
-            load_sharded_model(model, optimizer, path)
-        else:
-            options = StateDictOptions(full_state_dict=True)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                           options=options)  # fmt: skip
-    except CourseError:
-        raise
-    # damaged shards or metadata, a checkpoint of another model or optimizer. DCP raises CheckpointException, a
-    # BaseException (not an Exception), carrying each rank's own error.
-    except (Exception, CheckpointException) as error:
-        raise CourseError(
-            f"--resume {path}: the checkpoint is damaged or does not fit this model and optimizer ({gist(error)}); "
-            "resume from another checkpoint, or save this one again"
-        ) from None
-    return int(meta.get("step", 0))
-
-
-def gist(error: BaseException) -> str:
-    """An exception's first line, short: what a one-line error message quotes (for DCP's, the first rank's)."""
-    if isinstance(error, CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__
-
-
 def train(args, strategy, device, rank, world_size, record: dict):
     """Train one strategy for --steps steps; fill `record` with its metrics as they become known (so that a run
     stopped at an unfinished TODO still reports what it built)."""
-    if (args.resume or args.save_dcp) and strategy not in ("ddp", "fsdp", "hsdp"):
-        raise CourseError("--resume and --save-dcp work with the built-in strategies: ddp, fsdp or hsdp")
     config = model_config(args)
     train_set = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
     check_batches(len(train_set), args, world_size)
@@ -697,21 +574,17 @@ def train(args, strategy, device, rank, world_size, record: dict):
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
     model = build_model(config, seed=args.seed).to(device)
-    gradient_peak = GradientPeak(model.parameters())  # before wrapping: it sees each gradient before ZeRO-2 frees it
+    probe = FirstStep(model, WIRE)  # before wrapping: it sees each gradient before ZeRO-2 frees it
     model, optimizer, shard_ranks, padded, mesh = wrap(strategy, model, args, device, world_size)
     if device.type == "cuda":  # after wrapping: the peak of training, not of the unsharded model built first
         torch.cuda.reset_peak_memory_stats(device)
-    record.update(strategy=strategy, precision=args.precision, shard_ranks=shard_ranks, padded_params=padded,
-                  **built_layout(model, optimizer))  # fmt: skip
-    if isinstance(optimizer, ZeroOptimizer):
-        gradient_peak.also_count(lambda flats=optimizer.flats: [f["shard"].grad for f in flats])
-    if isinstance(model, Zero3):
-        gradient_peak = GradientPeak(model.parameters())  # the shards: autograd accumulates their gradients
-    start, loaded = 0, {}
+    record.update(strategy=strategy, precision=args.precision, shard_ranks=shard_ranks, padded_params=padded)
+    probe.wrapped(model, optimizer, mesh, record)
+    start = 0
     if args.resume:
         start = resume(args.resume, model, optimizer, config)
-        loaded = {"loaded_param_checksum": full_checksum(model), "loaded_optimizer_checksum":
-                  optimizer_checksum(model, optimizer)}  # fmt: skip
+        record.update(loaded_param_checksum=full_checksum(model),
+                      loaded_optimizer_checksum=optimizer_checksum(model, optimizer))  # fmt: skip
         print0(f"resumed from {args.resume} after step {start}")
 
     def batches():
@@ -725,157 +598,44 @@ def train(args, strategy, device, rank, world_size, record: dict):
     autocast = args.precision == "bf16" and strategy in ("ddp", "zero1", "zero2")
     throughput, losses = Throughput(device), []
     logger = Logger(argparse.Namespace(**{**vars(args), "log_dir": args.log_dir / strategy}), args.steps - start)
-    for key in WIRE:
-        WIRE[key] = 0
     for step in range(start + 1, args.steps + 1):
         inputs, targets = (t.to(device) for t in next(data))
         optimizer.zero_grad(set_to_none=True)
-        measure = step == start + 1
-        # Activations: bytes autograd saves for backward, not counting parameters (gathered ones included).
-        saved = Activations(partial(is_model_state, model)) if measure else nullcontext()
-        library_wire = CountCollectives(mesh_groups(mesh)) if measure and mesh is not None else nullcontext()
-        if measure and isinstance(model, Zero3):
-            model.timeline = []  # every gather and free of this step, in order
-        with saved, library_wire, torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        with probe.measuring(step == start + 1), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
             loss = loss_fn(model(inputs), targets)
-            if measure:
-                record["first_loss"] = average(loss)
-                if isinstance(model, Zero3):
-                    record["gathered_bytes_after_forward"] = model.gathered_bytes()
-                    record["forward_events"] = len(model.timeline)
-            gradient_peak.reset()
+            probe.after_forward(loss)
             loss.backward()
-            if measure:
-                record["first_gradients"] = gradient_norms(model, optimizer)
-                held = held_bytes(model, optimizer)
-                record["peak_bytes_in_backward"] = peak_bytes(model, optimizer, gradient_peak, held)
-                if isinstance(model, Zero3):
-                    record["gather_timeline"], model.timeline = model.timeline, None
-        if measure:
-            record["activation_bytes"] = saved.peak_bytes
-            if isinstance(library_wire, CountCollectives):
-                record["library_wire_bytes"] = library_wire.bytes
+            probe.after_backward()
         optimizer.step()
-        if measure:
-            record["wire_bytes_per_step"] = dict(WIRE)
-        loss = average(loss)
-        losses.append(loss)
+        probe.after_step()
+        losses.append(average(loss))
         record.update(losses=losses, steps=len(losses), first_step=start + 1)
         throughput.step(inputs.numel() * world_size)
-        logger.log(step, loss=loss)
+        logger.log(step, loss=losses[-1])
         if step % args.log_every == 0 or step == args.steps:
             print0(f"{strategy:>5} step {step:4d}  loss {losses[-1]:.4f}")
 
     logger.close()
-    n_params = count_parameters(config)
-    counted = strategy in ("ddp", "zero1", "zero2", "zero3")  # the lesson's own counters; FSDP2's: library_wire
     optimizer_name = "adam" if args.optimizer == "adamw" else "momentum" if args.momentum else "sgd"
-    estimate = dict(n_params=n_params, dp=shard_ranks, stage=STAGE[strategy], precision="fp32",
+    estimate = dict(n_params=count_parameters(config), dp=shard_ranks, stage=STAGE[strategy], precision="fp32",
                     optimizer=optimizer_name, padded_params=padded)  # fmt: skip
-    wire = record.get("wire_bytes_per_step")
-    record.update(
-        final_loss=losses[-1] if losses else None,
-        tokens_per_s=throughput.tokens_per_s,
-        param_checksum=full_checksum(model),
-        optimizer_checksum=optimizer_checksum(model, optimizer),
-        bytes_per_rank=held_bytes(model, optimizer),
-        estimated_bytes_per_rank=model_state_bytes(**estimate),
-        estimated_peak_bytes_in_backward=peak_model_state_bytes(**estimate, **in_flight(model, optimizer)),
-        n_params=n_params,
-        stage=STAGE[strategy],
-        gathered_bytes_after_step=model.gathered_bytes() if isinstance(model, Zero3) else None,
-        wire_bytes_per_step=wire if counted else None,
-        wire_volume_per_step=wire_volume(wire) if counted and wire else None,
-        replicas=world_size // shard_ranks if strategy == "hsdp" else None,
-        peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        **loaded,
-    )
-    if device.type == "cuda":
-        print0(f"{strategy:>5}: peak GPU memory {record['peak_memory_bytes']:,} bytes (after wrapping)")
-    step = start + len(losses)
-    if args.checkpoint:
-        path = args.checkpoint
-        if args.strategy == "all":
-            path = path.with_stem(f"{path.stem}-{strategy}")
-        if isinstance(model, Zero3):
-            save0({"model": model.full_state_dict()}, path)
-        elif isinstance(optimizer, ZeroOptimizer):
-            save0({"model": model.state_dict()}, path)
-        else:
-            save_full_model(model, optimizer, path)
-        save0_json(checkpoint_meta(path), {"step": step, "config": vars(config), "strategy": strategy})
-        print0(f"saved the full model to {path}")
-    if args.save_dcp:
-        save_sharded_model(model, optimizer, args.save_dcp)
-        save0_json(checkpoint_meta(args.save_dcp), {"step": step, "config": vars(config), "strategy": strategy})
-        print0(f"saved a sharded checkpoint ({world_size} ranks) to {args.save_dcp}")
+    record.update(final_loss=losses[-1] if losses else None, tokens_per_s=throughput.tokens_per_s,
+                  n_params=estimate["n_params"], stage=STAGE[strategy],
+                  replicas=world_size // shard_ranks if strategy == "hsdp" else None)  # fmt: skip
+    counted = strategy in ("ddp", "zero1", "zero2", "zero3")  # the lesson's own counters; FSDP2's: library_wire
+    finish_record(record, model, optimizer, estimate, counted, device)
+    save_checkpoints(args, model, optimizer, strategy, start + len(losses), config)
     del model, optimizer  # DDP and FSDP hold the process group: free them before it goes
     return record
-
-
-def average(loss) -> float:
-    """The loss averaged over ranks (each rank computed it on its own slice of the global batch)."""
-    loss = loss.detach().float().clone()
-    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-    return loss.item()
-
-
-def save0_json(path: Path, record: dict):
-    """What a checkpoint is (step, model config, strategy), written beside it by rank 0."""
-    if is_root_process():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=2) + "\n")
-    dist.barrier()
-
-
-def is_model_state(model, tensor) -> bool:
-    """Does `tensor` share memory with a parameter (sharded, or gathered for this forward)?"""
-    if isinstance(model, Zero3):
-        return model.holds(tensor)
-    pointer = tensor.untyped_storage().data_ptr()
-    local = (p.to_local() if isinstance(p, DTensor) else p for p in model.parameters())
-    return any(p.untyped_storage().data_ptr() == pointer for p in local)
-
-
-def positive_float(text: str) -> float:
-    value = non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be more than 0")
-    return value
 
 
 def main():
     # FSDP2 warns that the root returns a view (the head's output): the loss only reads it, never changes it.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    # --precision bf16 is this lesson's mixed precision (FSDP2's policy, Zero3's compute dtype, autocast for the
-    # others): the shared --autocast is refused rather than ignored.
-    parser = base_parser(__doc__.splitlines()[0], without=("--autocast",))
-    parser.add_argument("--strategy", choices=[*STRATEGIES, "all"], default="fsdp", help="all: each in turn")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype")
-    parser.add_argument("--replicas", type=positive_int, default=None, help="HSDP: replica groups (default: nodes)")
-    parser.add_argument(
-        "--reshard-after-forward",
-        dest="reshard",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="free gathered parameters after forward (gather again in backward)",
-    )
-    parser.add_argument(
-        "--bucket-cap-mb", type=positive_float, default=25.0, help="ZeRO-2: gradients reduce-scattered per bucket"
-    )
-    parser.add_argument("--momentum", type=non_negative_float, default=0.0, help="SGD momentum (state to shard)")
-    parser.add_argument("--save-dcp", type=Path, default=None, help="save a sharded (DCP) checkpoint folder")
-    parser.add_argument("--resume", type=Path, default=None, help="a --save-dcp folder or a --checkpoint file")
-    args = parse_args(parser)
+    args = parse_args(lesson_parser(__doc__.splitlines()[0], STRATEGIES))
     local_rank, rank, device, world_size = setup(args.seed)
-    if args.replicas is None:
-        nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        args.replicas = nodes if nodes > 1 else (2 if world_size % 2 == 0 else 1)
-    if args.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise CourseError("this GPU has no bf16: use --precision fp32")
+    settle(args, world_size, device)
     strategies = STRATEGIES if args.strategy == "all" else [args.strategy]
-    if args.strategy == "all" and (args.resume or args.save_dcp):
-        raise CourseError("--resume and --save-dcp take one strategy: pass --strategy fsdp (or ddp, hsdp)")
     print0(
         f"{world_size} ranks x {args.batch_size} sequences | {count_parameters(model_config(args)):,} parameters"
         f" | {args.optimizer} | {args.precision} | device {device.type}"
@@ -891,17 +651,7 @@ def main():
             results[strategy]["stopped"] = str(error)
             stopped = stopped or error
             print0(f"{strategy:>5} stopped: {error} is not done yet")
-    for strategy, m in results.items():
-        if "stopped" in m:
-            continue
-        held, estimate, peak = m["bytes_per_rank"], m["estimated_bytes_per_rank"], m["peak_bytes_in_backward"]
-        print0(
-            f"{strategy:>5}: bytes per rank params {held['params']:,} grads {held['grads']:,} optimizer "
-            f"{held['optimizer']:,} (estimator: {estimate['params']:,} / {estimate['grads']:,} / "
-            f"{estimate['optimizer']:,}) | activations {m['activation_bytes']:,}"
-            + (f" | peak grads in backward {peak['grads']:,}" if peak["grads"] is not None else "")
-            + (f" | wire volume {m['wire_volume_per_step']:,} per step" if m["wire_volume_per_step"] else "")
-        )
+    report(results)
     last = results[strategies[-1]]
     write_metrics(args.metrics_out, **last, strategies=results if args.strategy == "all" else None)
     if not stopped:
@@ -909,6 +659,31 @@ def main():
     destroy_process_group()
     if stopped:  # every finished strategy is reported above; now name the first unfinished TODO
         raise stopped
+
+
+# --------------------------------------------------------------------------------------------------
+# Debugging lab: a ZeRO-3 unit never gathered again (TODO 8; notebook section 12, `make check LESSON=03`)
+# --------------------------------------------------------------------------------------------------
+
+
+def output_tensors(output) -> list:
+    """The tensors in what a unit's forward returned: Zero3 hooks each one to gather the unit again before its
+    backward (TODO 6). A block may return a tensor, or tuples, lists and dicts of them, nested."""
+    # TODO 8: lab, a unit never gathered again. In the exercise, ZeRO-3 trains the course model, whose blocks
+    #   return a tensor; the lab's model, whose blocks return a dict (a hidden state and an auxiliary loss),
+    #   fails in backward on every rank. Which unit's parameters does backward read, what state are they in,
+    #   and why did no hook gather them again? Fix this function.
+    # BEGIN SOLUTION
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [tensor for item in output for tensor in output_tensors(item)]
+    return [output] if torch.is_tensor(output) else []
+    # EXERCISE
+    # if isinstance(output, (tuple, list)):
+    #     return [tensor for item in output for tensor in output_tensors(item)]
+    # return [output] if torch.is_tensor(output) else []
+    # END SOLUTION
 
 
 if __name__ == "__main__":

@@ -549,5 +549,43 @@ def main():
     destroy_process_group()
 
 
+# --------------------------------------------------------------------------------------------------
+# Debugging lab: a tensor-parallel layer without its g (TODO 8; notebook section 8, `make check LESSON=04`)
+# --------------------------------------------------------------------------------------------------
+
+
+def train_parallel_mlp(embed: nn.Linear, up: nn.Linear, down: nn.Linear, inputs, targets, steps: int, lr: float, group):
+    """Train h + down(gelu(up(h))), h = embed(inputs), with SGD for `steps` steps on the same batch on every rank of
+    `group`: the MLP split as in a block (up column-parallel, down row-parallel), embed whole on every rank. The
+    layers arrive whole and identical on every rank. Returns this rank's loss at every step."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    embed_weight = nn.Parameter(embed.weight.detach().clone())  # replicated
+    up_weight = nn.Parameter(up.weight.detach().chunk(n, dim=0)[rank].clone())  # this rank's output features
+    up_bias = nn.Parameter(up.bias.detach().chunk(n)[rank].clone())
+    down_weight = nn.Parameter(down.weight.detach().chunk(n, dim=1)[rank].clone())  # this rank's input features
+    down_bias = nn.Parameter(down.bias.detach().clone())  # whole, like RowParallelLinear's
+    optimizer = torch.optim.SGD([embed_weight, up_weight, up_bias, down_weight, down_bias], lr=lr)
+    losses = []
+    for _ in range(steps):
+        h = F.linear(inputs, embed_weight)
+        # TODO 8: lab, a tensor-parallel layer without its g. In the exercise this function trains without an
+        #   error. Run it on 2 ranks (notebook section 8): does every rank report the same losses? Do they match
+        #   one process's? What does each rank hold after its slice of down, and what should the residual add
+        #   receive? Fix the MLP's two lines with the pair of TODO 1 (f entering the region, g leaving it).
+        # BEGIN SOLUTION
+        hidden = F.gelu(F.linear(CopyToParallelRegion.apply(h, group), up_weight, up_bias))  # f: h's gradient summed
+        y = h + ReduceFromParallelRegion.apply(F.linear(hidden, down_weight), group) + down_bias  # g, then the bias
+        # EXERCISE
+        # hidden = F.gelu(F.linear(CopyToParallelRegion.apply(h, group), up_weight, up_bias))
+        # y = h + F.linear(hidden, down_weight) + down_bias
+        # END SOLUTION
+        loss = F.mse_loss(y, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 if __name__ == "__main__":
     run_main(main)

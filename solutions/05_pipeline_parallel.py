@@ -6,9 +6,12 @@ from rank to rank and their gradients backward. A schedule says in which order e
 backwards (B): GPipe (all F, then all B) or 1F1B (a few F, then one F one B, then the remaining B). Gradients add
 up over the micro-batches and the optimizer steps once per batch, so p stages with m micro-batches train exactly
 like one process on the whole batch (lesson 00). The number of stages is the world size (twice it, interleaved).
+The built-in zero-bubble schedules (interleaved-zb, zbv) also split each backward into the input's gradient (B),
+which the previous stage waits for, and the weights' gradient (W), which can wait and fill the idle time.
 
     torchrun --nproc_per_node=4 solutions/05_pipeline_parallel.py --n-layers 4 --schedule 1f1b --microbatches 8
     torchrun --nproc_per_node=2 solutions/05_pipeline_parallel.py --pp-impl builtin --schedule interleaved --n-layers 4
+    torchrun --nproc_per_node=2 solutions/05_pipeline_parallel.py --pp-impl builtin --schedule zbv --n-layers 4
     sbatch slurm/05_pipeline_parallel_2nodes.sbatch solutions --n-layers 8     # 8 stages on 2 nodes x 4 GPUs
 """
 
@@ -31,7 +34,8 @@ from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import SavedActivations, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
-from utils.pipeline_timing import bubble_sweep, measured_bubble, now, record_builtin_timings
+from utils.pipeline_plumbing import batches, check_stages, full_parameters, refuse_layout, report, summarise
+from utils.pipeline_timing import bubble_sweep, now, record_builtin_timings
 from utils.training import (
     Logger,
     Throughput,
@@ -43,8 +47,27 @@ from utils.training import (
     positive_int,
 )
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-VIRTUAL_STAGES = 2  # stages per rank in the interleaved schedule (built-in only)
+# The built-in schedules, by their classes in torch.distributed.pipelining. The last three are built-in only and put
+# two stages on each rank; the zero-bubble ones (ZB) split the backward into B (input) and W (weights).
+BUILTIN_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+SCHEDULES = tuple(BUILTIN_SCHEDULES)
+MULTI_STAGE = ("interleaved", "interleaved-zb", "zbv")
+ZERO_BUBBLE = ("interleaved-zb", "zbv")  # no closed-form bubble: it depends on the times of F, B and W
+VIRTUAL_STAGES = 2  # stages per rank in the multi-stage schedules
+
+
+def stage_indices(schedule: str, rank: int, world_size: int) -> list[int]:
+    """The stages rank r holds: r; with two per rank, r and r + p (a loop), or r and 2p - 1 - r (ZBV's "V": the
+    first rank holds the first and the last stage, so the loss's gradient turns back on the rank that has it)."""
+    if schedule not in MULTI_STAGE:
+        return [rank]
+    return [rank, 2 * world_size - 1 - rank] if schedule == "zbv" else [rank, rank + world_size]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -54,11 +77,7 @@ VIRTUAL_STAGES = 2  # stages per rank in the interleaved schedule (built-in only
 
 def partition(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     """Block ranges [start, end) of each stage: contiguous, covering every block, sizes differing by at most one."""
-    if n_stages > n_layers:
-        raise CourseError(
-            f"{n_stages} pipeline stages need at least {n_stages} blocks, but the model has --n-layers {n_layers}; "
-            f"use --n-layers {n_stages} or more, or fewer processes"
-        )
+    check_stages(n_layers, n_stages)  # refuses more stages than blocks
     # TODO 1: balanced partition. Cut n_layers blocks into n_stages contiguous ranges [start, end) whose sizes
     #   differ by at most one (the first n_layers % n_stages stages get one block more). The slowest stage sets
     #   the pace of the whole pipeline, so balance matters.
@@ -327,18 +346,18 @@ def build_builtin_schedule(stage_modules, stage_indices, n_stages, pp_group, dev
     passes a DeviceMesh's "pp" dimension). `loss(output, target)` is one micro-batch's mean loss: the schedule
     divides the gradients by n_microbatches (scale_grads=True), so they equal the whole batch's.
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed import pipelining
 
-    # TODO 7: the built-in pipeline. Wrap each stage module: PipelineStage(module, stage_index, n_stages, device,
-    #   group=pp_group). GPipe and 1F1B take the one stage (ScheduleGPipe / Schedule1F1B(stage, n_microbatches,
-    #   loss_fn=loss)); the interleaved schedule takes this rank's list of stages (ScheduleInterleaved1F1B).
+    built_in = getattr(pipelining, BUILTIN_SCHEDULES[schedule])  # e.g. pipelining.Schedule1F1B
+    # TODO 7: the built-in pipeline. Wrap each stage module: pipelining.PipelineStage(module, stage_index, n_stages,
+    #   device, group=pp_group). GPipe and 1F1B take the one stage, built_in(stage, n_microbatches, loss_fn=<loss>);
+    #   the multi-stage schedules (schedule in MULTI_STAGE) take this rank's list of stages instead.
     # BEGIN SOLUTION
     stages = [
-        PipelineStage(module, index, n_stages, device, group=pp_group)
+        pipelining.PipelineStage(module, index, n_stages, device, group=pp_group)
         for module, index in zip(stage_modules, stage_indices)
     ]
-    built_in = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[schedule]
-    return built_in(stages if schedule == "interleaved" else stages[0], n_microbatches, loss_fn=loss)
+    return built_in(stages if schedule in MULTI_STAGE else stages[0], n_microbatches, loss_fn=loss)
     # END SOLUTION
 
 
@@ -348,36 +367,17 @@ def build_builtin_schedule(stage_modules, stage_indices, n_stages, pp_group, dev
 
 
 def check_layout(args, world_size: int):
-    """Refuse what cannot run, with one line each, before any process waits for another."""
-    if args.batch_size % args.microbatches and not getattr(args, "bubble_sweep", None):
-        raise CourseError(
-            f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal "
-            f"micro-batches; use a --batch-size that is a multiple of {args.microbatches}"
-        )
-    if getattr(args, "bubble_sweep", None) and args.pp_impl != "scratch":
-        raise CourseError("--bubble-sweep measures the from-scratch schedules; leave out --pp-impl builtin")
-    if args.schedule == "interleaved":
-        if args.pp_impl == "scratch":
-            raise CourseError("--schedule interleaved is built-in only here; add --pp-impl builtin")
-        if args.n_layers < VIRTUAL_STAGES * world_size:
-            raise CourseError(
-                f"--schedule interleaved puts {VIRTUAL_STAGES} stages on each of {world_size} ranks: it needs "
-                f"--n-layers {VIRTUAL_STAGES * world_size} or more (got {args.n_layers})"
-            )
-    partition(args.n_layers, world_size)  # refuses more stages than blocks
-    if args.pp_impl == "builtin" and args.schedule == "1f1b" and args.microbatches < world_size:
-        raise CourseError(
-            f"the built-in Schedule1F1B needs --microbatches >= {world_size} stages (got {args.microbatches}); "
-            "the from-scratch one (--pp-impl scratch) runs any number"
-        )
+    """Refuse what cannot run, with one line each, before any process waits for another (utils.pipeline_plumbing)."""
+    builtin = BUILTIN_SCHEDULES[args.schedule] if args.pp_impl == "builtin" else None
+    refuse_layout(args, world_size, args.schedule in MULTI_STAGE, VIRTUAL_STAGES, builtin)
 
 
 @dataclass
 class Pipeline:
     """What one rank runs: its stage module(s) and its schedule, from scratch (a step list) or built-in."""
 
-    modules: list[Stage]  # this rank's stages: one, or two with the interleaved schedule
-    indices: list[int]  # their stage numbers: rank r holds stages r (and r + p, interleaved)
+    modules: list[Stage]  # this rank's stages: one, or two with the multi-stage schedules
+    indices: list[int]  # their stage numbers (stage_indices)
     n_stages: int
     schedule: str
     n_microbatches: int
@@ -401,9 +401,8 @@ def build_pipeline(args, rank: int, world_size: int, device: torch.device, sched
     the full model in its order)."""
     model = build_model(model_config(args), seed=args.seed)  # on the CPU: every rank builds the same weights...
     names = [name for name, _ in model.named_parameters()]
-    virtual = VIRTUAL_STAGES if schedule == "interleaved" else 1
-    n_stages = virtual * world_size
-    indices = [rank + v * world_size for v in range(virtual)]  # interleaved: stages r and r + p on rank r
+    indices = stage_indices(schedule, rank, world_size)
+    n_stages = len(indices) * world_size
     modules = [build_stage(model, index, n_stages).to(device) for index in indices]  # ...the device gets its stage
     del model  # what this rank's stages do not hold is freed
     held = {r: [i for i in range(n_stages) if i % world_size == r] for r in range(world_size)}
@@ -451,65 +450,6 @@ def train_step(pipeline: Pipeline, inputs, targets, *, rank, world_size, device,
     return loss, timeline, microbatch_bytes
 
 
-def full_parameters(stage_modules, names: list[str]) -> tuple[float, dict]:
-    """(checksum, full state dict): gathered from every stage, in the full model's order.
-
-    The checksum adds each parameter's sum of squares (float64) in the full model's order, so it is bit for bit
-    utils.metrics.param_checksum of the same parameters in one process. The stages together must hold exactly
-    the model's parameters, each once: asserted."""
-    local = {name: p.detach().cpu() for module in stage_modules for name, p in module.named_parameters()}
-    everything: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, local)
-    held = [name for part in everything for name in part]
-    assert sorted(held) == sorted(names), f"the stages do not hold each of the model's parameters once: {held[:4]}"
-    merged = {name: tensor for part in everything for name, tensor in part.items()}
-    checksum = sum(float(merged[name].double().pow(2).sum()) for name in names)
-    return checksum, {name: merged[name] for name in names}
-
-
-def summarise(pipeline: Pipeline, world_size: int, losses, timelines, peak, microbatch_bytes) -> dict:
-    """The pipeline's metrics from every rank's records (a collective: every rank calls it)."""
-    record = {"timelines": timelines, "peak": peak, "microbatch_bytes": microbatch_bytes}
-    record["in_flight"] = in_flight(pipeline.steps) if pipeline.steps is not None else None
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, record)
-    per_step = [measured_bubble([r["timelines"][s] for r in everyone]) for s in range(len(timelines))]
-    measured = [] if None in per_step else per_step  # [] when the timings were not recorded
-    later = measured[1:] or measured  # the first step pays for one-off start-up work and counts activation bytes
-    scratch = pipeline.steps is not None
-    virtual = len(pipeline.indices)
-    return dict(
-        final_loss=losses[-1],
-        losses=losses,
-        steps=len(losses),
-        schedule=pipeline.schedule,
-        microbatches=pipeline.n_microbatches,
-        stages=pipeline.n_stages,
-        stages_per_rank=virtual,
-        bubble_predicted=predicted_bubble(world_size, pipeline.n_microbatches, virtual),
-        bubble_from_steps=float(simulate(pipeline.schedule, world_size, pipeline.n_microbatches)[1])
-        if scratch
-        else None,
-        bubble_measured=sum(later) / len(later) if later else None,
-        bubble_measured_min=min(later) if later else None,
-        bubble_measured_max=max(later) if later else None,
-        bubble_measured_per_step=measured,
-        timeline=[r["timelines"][-1] for r in everyone] if measured else None,  # the last step, per rank
-        in_flight_per_rank=[r["in_flight"] for r in everyone] if scratch else None,
-        peak_activation_bytes_per_rank=[r["peak"] for r in everyone],
-        microbatch_activation_bytes_per_rank=[r["microbatch_bytes"] for r in everyone] if scratch else None,
-        predicted_activation_bytes_per_rank=[r["in_flight"] * r["microbatch_bytes"] for r in everyone]
-        if scratch
-        else None,
-    )
-
-
-def batches(loader):
-    """Endless batches: start another pass over the data whenever one ends (as lesson 00 does)."""
-    while True:
-        yield from loader
-
-
 def train(args, rank: int, world_size: int, device: torch.device, schedule: str, n_microbatches: int) -> dict:
     """Train --steps steps with one pipeline layout; return the metrics (the same dict on every rank)."""
     train_set = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
@@ -538,7 +478,9 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
             peak, microbatch_bytes = saved.peak_bytes, bytes_one
         optimizer.step()
         timelines.append(timeline)
-        dist.broadcast(loss, src=world_size - 1)  # the last stage computed the loss: everyone logs it
+        # The last stage computed the loss (on rank 0 with ZBV's V): everyone logs it.
+        last = next(r for r in range(world_size) if pipeline.n_stages - 1 in stage_indices(schedule, r, world_size))
+        dist.broadcast(loss, src=last)
         losses.append(loss.item())
         throughput.step(inputs.numel())
         logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)
@@ -550,8 +492,18 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
     if args.checkpoint:
         save0({"model": full_state, "config": vars(model_config(args))}, args.checkpoint)
         print0(f"saved the model to {args.checkpoint}")
-    metrics = summarise(pipeline, world_size, losses, timelines, peak, microbatch_bytes)
+    m, scratch = pipeline.n_microbatches, pipeline.steps is not None
+    metrics = summarise(
+        world_size, losses, timelines, peak, microbatch_bytes,
+        in_flight=in_flight(pipeline.steps) if scratch else None,
+        bubble_predicted=None if schedule in ZERO_BUBBLE else predicted_bubble(world_size, m, len(pipeline.indices)),
+        bubble_from_steps=float(simulate(schedule, world_size, m)[1]) if scratch else None,
+    )  # fmt: skip
     metrics.update(
+        schedule=schedule,
+        microbatches=m,
+        stages=pipeline.n_stages,
+        stages_per_rank=len(pipeline.indices),
         tokens_per_s=throughput.tokens_per_s,
         param_checksum=checksum,
         bytes_per_rank=state_bytes(nn.ModuleList(pipeline.modules), optimizer),
@@ -567,7 +519,7 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
 def main():
     parser = base_parser(__doc__.splitlines()[0], without=("--autocast",))  # fp32 only: parity is exact
     parser.add_argument("--pp-impl", choices=["scratch", "builtin"], default="scratch", help="which pipeline")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="interleaved: --pp-impl builtin only")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="gpipe and 1f1b: both --pp-impl")
     parser.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per --batch-size batch")
     sweep_help = (
         "measure the bubble of GPipe and 1F1B at m = 1, 2, 4, 8 micro-batches of --batch-size sequences each "
@@ -590,15 +542,32 @@ def main():
         metrics = bubble_sweep(run, args, rank, world_size, device, args.bubble_sweep)
     else:
         metrics = train(args, rank, world_size, device, args.schedule, args.microbatches)
-    print0(
-        f"bubble: predicted {metrics['bubble_predicted']:.3f}"
-        + (f", measured {metrics['bubble_measured']:.3f}" if metrics["bubble_measured"] is not None else "")
-        + f" | peak activation bytes per rank {metrics['peak_activation_bytes_per_rank']}"
-    )
-    print0(f"throughput: {metrics['tokens_per_s']:,.0f} tokens/s on {world_size} x {device.type}")
+    report(metrics, world_size, device)
     write_metrics(args.metrics_out, **metrics)
     print0(f"FINISHED {metrics['steps']} steps, final loss {metrics['final_loss']:.4f}")
     destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# Debugging lab: a schedule that deadlocks (TODO 8; notebook section 8, `make check LESSON=05`)
+# --------------------------------------------------------------------------------------------------
+
+
+def capped_warmup(n_stages: int, n_microbatches: int, rank: int, max_in_flight: int) -> int:
+    """1F1B's warm-up forwards on `rank` when the first stage may hold at most `max_in_flight` micro-batches'
+    activations (1F1B gives it p: with the embeddings too, it is the first to run out of memory).
+    utils/pipeline_lab.py builds each rank's 1F1B step list from it and runs them on live ranks."""
+    # TODO 8: lab, a schedule that deadlocks. In the exercise only the first stage's warm-up is capped, and a
+    #   4-stage run hangs. Which rank waits for which tensor, from whom, and when would that rank send it? Fix
+    #   it: a rank can only run the forwards its predecessor sent before the predecessor waits for a gradient.
+    # BEGIN SOLUTION
+    return min(n_stages - rank - 1, max_in_flight - 1, n_microbatches)  # the cap holds all along the pipeline
+    # EXERCISE
+    # warmup = min(n_microbatches, n_stages - rank - 1)  # 1F1B's warm-up (TODO 3)
+    # if rank == 0:  # the first stage holds the most activations: cap it
+    #     warmup = min(warmup, max_in_flight - 1)
+    # return warmup
+    # END SOLUTION
 
 
 if __name__ == "__main__":

@@ -62,20 +62,21 @@ def lesson(request):
     return find
 
 
-# Each notebook's time (its cells' set-up, run and tear-down summed), printed at the end of a run with
-# notebooks: the figure `make notebooks` reports and the README quotes in words.
-_notebook_seconds: dict[str, float] = {}
+# Each notebook's and each test file's time (set-up, run and tear-down summed), printed at the end: the
+# figures `make notebooks` reports per notebook and that show where `make test` spends its time.
+_seconds: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::")[0]
-    if path.endswith(".ipynb"):
-        _notebook_seconds[path] = _notebook_seconds.get(path, 0.0) + report.duration
+    _seconds[path] = _seconds.get(path, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _notebook_seconds:
-        terminalreporter.section("time per notebook")
-        for path, seconds in sorted(_notebook_seconds.items()):
-            terminalreporter.write_line(f"{seconds:7.1f} s  {path}")
-        terminalreporter.write_line(f"{sum(_notebook_seconds.values()):7.1f} s  in all")
+    for title, suffix in (("time per test file", ".py"), ("time per notebook", ".ipynb")):
+        files = {path: seconds for path, seconds in _seconds.items() if path.endswith(suffix)}
+        if files:
+            terminalreporter.section(title)
+            for path, seconds in sorted(files.items()):
+                terminalreporter.write_line(f"{seconds:7.1f} s  {path}")
+            terminalreporter.write_line(f"{sum(files.values()):7.1f} s  in all")

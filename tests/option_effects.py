@@ -56,12 +56,12 @@ def fake_wikitext(data_dir: Path, n_bytes: int = 6000) -> Path:
     return path
 
 
-def written_out_training(command: Run, order: str, samples_per_step: int, lr: float, lr_factor=None):
+def written_out_training(command: Run, order: str, samples_per_step: int, lr: float, lr_factor=None, momentum=0.0):
     """The run's steps on one process, written with PyTorch alone: the losses and the final parameters' checksum.
 
     order: "generator" (a DataLoader shuffled by a generator seeded with --seed, as lesson 00) or "sampler"
     (a DistributedSampler of one replica seeded with --seed, as the data-parallel lessons).
-    lr_factor(s): the learning-rate factor of step s + 1 (a schedule), 1 if None.
+    lr_factor(s): the learning-rate factor of step s + 1 (a schedule), 1 if None. momentum: SGD's.
     """
     seed, steps = int(passed(command, "--seed", 0)), int(passed(command, "--steps"))
     config = ModelConfig(
@@ -81,7 +81,7 @@ def written_out_training(command: Run, order: str, samples_per_step: int, lr: fl
         loader = DataLoader(data, batch_size=samples_per_step, sampler=sampler, drop_last=True)
     assert passed(command, "--optimizer") == "sgd", "the written-out training uses SGD: pass --optimizer sgd"
     model = build_model(config, seed=seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     losses = []
     for step, (inputs, targets) in zip(range(steps), loader):
         for group in optimizer.param_groups:
@@ -96,11 +96,12 @@ def written_out_training(command: Run, order: str, samples_per_step: int, lr: fl
 
 
 def check_shared_options(run: Run, order: str, samples_per_step: int | None = None, lr: float | None = None,
-                         lr_factor=None) -> dict:  # fmt: skip
+                         lr_factor=None, log_dir: Path | None = None) -> dict:  # fmt: skip
     """Each shared option's effect on `run` (one process), checked; returns the run's metrics.
 
     samples_per_step: sequences per optimizer step (default --batch-size); lr: the learning rate the run should
-    train with (default --lr).
+    train with (default --lr); log_dir: the folder the run logs into (default --log-dir; lesson 03 logs each
+    strategy into a folder of its own inside it).
     """
     assert run.returncode == 0, f"the run failed. Its last lines:\n{run.tail()}"
     metrics = json.loads(Path(passed(run, "--metrics-out")).read_text())  # --metrics-out: written where it says
@@ -121,16 +122,20 @@ def check_shared_options(run: Run, order: str, samples_per_step: int | None = No
     )
     assert metrics["bytes_per_rank"]["optimizer"] == 0, "--optimizer sgd (no momentum) keeps no optimizer state"
     every = int(passed(run, "--log-every"))
-    printed = [int(n) for n in re.findall(r"^step\s+(\d+)\s+loss", run.output, flags=re.MULTILINE)]
+    # "step N  loss ...", or "ddp step N  loss ..." where a script names the strategy it trains
+    printed = [int(n) for n in re.findall(r"^\s*(?:\w+ +)?step\s+(\d+)\s+loss", run.output, flags=re.MULTILINE)]
     assert printed == sorted({s for s in range(1, steps + 1) if s % every == 0} | {steps}), (
         f"--log-every {every}: the loss was printed at steps {printed}"
     )
-    log_dir = Path(passed(run, "--log-dir"))
+    log_dir = Path(passed(run, "--log-dir")) if log_dir is None else log_dir
     assert list(log_dir.glob("events.out.tfevents.*")), f"--log-dir: no tensorboard event file in {log_dir}"
     if passed(run, "--wandb") is True:
         assert list((log_dir / "wandb").glob("offline-run-*")), f"--wandb: no offline wandb run in {log_dir}/wandb"
     if "--checkpoint" in map(str, run.command):
-        state = torch.load(passed(run, "--checkpoint"), weights_only=True)
+        path = Path(passed(run, "--checkpoint"))
+        state = torch.load(path, weights_only=True)
+        if "config" not in state:  # lesson 03 describes its checkpoints in a file beside them
+            state["config"] = json.loads(path.with_name(path.name + ".json").read_text())["config"]
         model = build_model(ModelConfig(**state["config"]), seed=12345)
         model.load_state_dict(state["model"])
         assert ModelConfig(**state["config"]) == config, f"--checkpoint: saved config {state['config']}"

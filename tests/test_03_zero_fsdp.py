@@ -10,21 +10,26 @@ a strategy that reaches an unfinished TODO stops on its own while the others go 
 a launch that crashed is launched alone. The model (width 27, 3 blocks: Psi = 42,295 parameters, odd) divides
 by neither 2, 3 nor 4, nor do its rows: every sharded buffer is padded. Every run has a global batch of 8.
 Expected bytes come from the model and the world size (or, for the bytes on the wire, from the layout the
-strategy reports and that a test checks first), never from the estimate the run computed itself.
+strategy reports and that a test checks first), never from the estimate the run computed itself. TODO 8 (the
+debugging lab) is checked by utils/zero_lab.py at 3 ranks, against one process.
 """
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.launch import ROOT, course_env, python, torchrun
+from tests.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.make_exercises import BEGIN, END, EXERCISE, make_exercise
 from utils.memory import model_state_bytes, padded_numel, peak_model_state_bytes
 from utils.metrics import param_checksum
 from utils.model import ModelConfig, build_model, count_parameters
+from utils.training import DEFAULT_LR
+from utils.zero_lab import failure as lab_failure
 
 TOLERANCE = 1e-6  # fp32, SGD: sharded and single-process runs differ only by the order of additions
 ADAMW_TOLERANCE = 1e-4  # AdamW divides by sqrt(second moment): rounding differences grow; parameters, absolute
@@ -41,10 +46,13 @@ PSI = count_parameters(CONFIG)
 
 
 def runs(folder):
-    """name: (processes, arguments). The dcp runs form a chain: 4 ranks save, 2 resume and save, 1 resumes."""
+    """name: (processes, arguments). The dcp runs form a chain: 4 ranks save, 2 resume and save, 1 resumes.
+    "kept": HSDP as one replica of 2 shards, each unit kept gathered from its forward to its backward."""
     return {
         "one": (1, [*SGD, "--batch-size", "8"]),
-        "two": (2, [*SGD, "--batch-size", "4"]),
+        "two": (2, [*SGD, "--batch-size", "4", "--reshard-after-forward"]),  # the default, written out
+        "kept": (2, ["--optimizer", "sgd", "--momentum", "0.9", "--steps", "4", "--batch-size", "4",
+                     "--strategy", "hsdp", "--replicas", "1", "--no-reshard-after-forward"]),
         "four": (4, [*SGD, "--batch-size", "2"]),
         "adamw": (2, [*ADAMW, "--strategy", "all", "--batch-size", "4", "--steps", "8"]),
         "bf16": (2, [*ADAMW, "--strategy", "all", "--batch-size", "4", "--steps", "4", "--precision", "bf16"]),
@@ -472,6 +480,21 @@ def test_todo7_fsdp2_gathers_in_bf16(run):
 
 
 # ------------------------------------------------------------------------------------------------
+# TODO 8: the debugging lab (a unit never gathered again), graded like lessons 01 and 02's labs
+# ------------------------------------------------------------------------------------------------
+
+
+def test_todo8_lab_every_unit_is_gathered_again_for_backward(lesson, tmp_path):
+    """3 ranks, the lab's model (its blocks return dicts) in the course's Zero3 with the script's output_tensors:
+    one step's gradient equals one process's. gloo with a 5 s timeout: a rank left waiting ends the lab."""
+    out = tmp_path / "lab.json"
+    result = torchrun(ROOT / "utils" / "zero_lab.py", 3, [lesson("03"), "--metrics-out", out], timeout=120)
+    assert out.exists(), f"TODO 8: the lab's ranks ended without a result. Their last lines:\n{result.tail()}"
+    message = lab_failure(json.loads(out.read_text())["outcomes"])
+    assert message is None, message
+
+
+# ------------------------------------------------------------------------------------------------
 # Memory, bytes on the wire, activations
 # ------------------------------------------------------------------------------------------------
 
@@ -519,7 +542,9 @@ def test_adamw_matches_ddp_within_a_looser_tolerance(run, name):
 def test_bf16_loss_stays_near_fp32(run, name):
     fp32 = run.strategy("adamw", name, TODO[name])["losses"][:4]
     bf16 = run.strategy("bf16", name, TODO[name])
-    assert bf16["precision"] == "bf16" and bf16["losses"] != fp32, "bf16 should change the losses a little"
+    result, _, _ = run.launch("bf16")
+    assert passed(result, "--precision") == bf16["precision"] == "bf16", bf16["precision"]
+    assert bf16["losses"] != fp32, "bf16 should change the losses a little"
     assert bf16["losses"] == pytest.approx(fp32, rel=BF16_TOLERANCE), (bf16["losses"], fp32)
     assert bf16["bytes_per_rank"] == run.strategy("adamw", name, TODO[name])["bytes_per_rank"], "fp32 master state"
 
@@ -529,10 +554,11 @@ def test_bf16_loss_stays_near_fp32(run, name):
 # ------------------------------------------------------------------------------------------------
 
 
-def finished(run, name: str) -> dict:
-    """A single-strategy run's metrics (the checkpoint chain runs FSDP2 or DDP), or its failure for TODO 7."""
-    result, metrics, _ = run.launch(name)
-    assert result.returncode == 0 and metrics, f"TODO 7: the {name} run failed. Its last lines:\n{result.tail()}"
+def finished(run, name: str, strategy=None, todo=7) -> dict:
+    """A single-strategy run's metrics (the checkpoint chain runs FSDP2 or DDP), or its failure for TODO `todo`.
+    strategy: that strategy instead of the run's own."""
+    result, metrics, _ = run.launch(name, strategy)
+    assert result.returncode == 0 and metrics, f"TODO {todo}: the {name} run failed. Its last lines:\n{result.tail()}"
     return metrics
 
 
@@ -625,6 +651,136 @@ def test_autocast_is_refused_not_ignored(lesson, tmp_path):
         lesson("03"), [*MODEL, "--autocast", "bf16", "--steps", "1"], timeout=60, env=course_env(PYTHONPATH=ROOT)
     )
     assert result.returncode == 2 and "--autocast" in result.output and "Traceback" not in result.output, result.tail()
+
+
+# ------------------------------------------------------------------------------------------------
+# The command line: every option changes the run (tests/test_options.py names these tests)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_shared_options_change_the_run(lesson, tmp_path):
+    """Every option of the shared command line at a value other than its default, on one process with DDP (the
+    strategy no TODO stands in the way of): the run trains like the same steps written out with PyTorch alone
+    (tests/option_effects.py, a DistributedSampler of one replica) and logs into its strategy's folder."""
+    fake_wikitext(tmp_path / "data")
+    args = [
+        "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",
+        "--data-dir", tmp_path / "data", "--seq-len", 16, "--dim", 24, "--n-layers", 1, "--n-heads", 3,
+        "--log-dir", tmp_path / "runs", "--log-every", 2, "--wandb", "--checkpoint", tmp_path / "model.pt",
+        "--metrics-out", tmp_path / "metrics.json", "--strategy", "ddp",
+    ]  # fmt: skip
+    result = python(lesson("03"), args, timeout=180, env=course_env(PYTHONPATH=ROOT))
+    metrics = check_shared_options(result, order="sampler", log_dir=tmp_path / "runs" / "ddp")
+    assert metrics["strategy"] == "ddp" and metrics["strategies"] is None, metrics["strategy"]
+
+
+def test_strategy_all_trains_each_strategy_in_turn(run):
+    """--strategy all: every strategy trains the same steps, one after the other, each reporting its own stage
+    and writing its own weights (a single strategy, as in the test above, trains that one alone)."""
+    result, metrics, _ = run.launch("two")
+    trained = sorted(metrics["strategies"])
+    assert passed(result, "--strategy") == "all" and trained == sorted(STRATEGIES), trained
+    printed = re.findall(r"^\s*(\w+) step\s+4\s+loss", result.output, flags=re.MULTILINE)
+    assert printed == STRATEGIES, f"the strategies printed their last step in the order {printed}"
+    for name in STRATEGIES:
+        record = run.strategy("two", name, TODO[name])
+        assert (record["strategy"], record["stage"]) == (name, STAGE[name]), (name, record["strategy"])
+        assert record["weights"].exists() and len(record["losses"]) == 4, f"{name}: no weights or not 4 steps"
+
+
+def test_bucket_cap_mb_cuts_zero2s_gradients_into_buckets(run):
+    """--bucket-cap-mb: ZeRO-2 groups the parameters, last layer first, into buckets of at most that many MiB
+    (one larger parameter alone in its own); ZeRO-1 reduces once after backward, in one bucket whatever the cap."""
+    result, _, _ = run.launch("two")
+    cap = float(passed(result, "--bucket-cap-mb")) * 2**20
+    expected, size = [], cap
+    for p in reversed(list(build_model(CONFIG).parameters())):
+        if size + 4 * p.numel() > cap:
+            expected.append(0)
+            size = 0
+        expected[-1] += p.numel()
+        size += 4 * p.numel()
+    zero1, zero2 = run.partial("two", "zero1"), run.partial("two", "zero2")
+    assert "buckets" in zero1 and "buckets" in zero2, "TODO 1: the ZeRO runs stopped before their optimizer was built"
+    assert [b["numel"] for b in zero1["buckets"]] == [PSI], "ZeRO-1 should keep all its parameters in one bucket"
+    assert len(expected) > 1 and [b["numel"] for b in zero2["buckets"]] == expected, (
+        f"--bucket-cap-mb {cap / 2**20}: ZeRO-2's buckets hold {[b['numel'] for b in zero2['buckets']]} parameters, "
+        f"expected {expected}"
+    )
+
+
+def test_one_process_reference_is_sgd_with_momentum_written_out(run):
+    """The reference of every parity test ("one": DDP on one process) is itself the same 4 steps of SGD with
+    --momentum written out with PyTorch alone (a DistributedSampler of one replica): a mistake that bent the
+    reference and the sharded runs alike would otherwise pass them. Momentum keeps one buffer per parameter."""
+    result, _, _ = run.launch("one")
+    record = run.strategy("one", "ddp", None)
+    momentum = float(passed(result, "--momentum"))
+    losses, checksum, _ = written_out_training(result, "sampler", 8, DEFAULT_LR["sgd"], momentum=momentum)
+    assert momentum > 0 and record["losses"] == pytest.approx(losses, rel=1e-5), (
+        f"on one process the losses {record['losses']} are not those of SGD with momentum {momentum}: {losses}"
+    )
+    assert record["param_checksum"] == pytest.approx(checksum, rel=1e-6), "the final parameters differ"
+    assert record["bytes_per_rank"]["optimizer"] == 4 * PSI, "--momentum: one fp32 buffer per parameter"
+
+
+def test_replicas_sets_hsdps_mesh(run):
+    """--replicas 1 at 2 ranks: one replica of 2 shards (like FSDP2) instead of the default, one replica per node
+    or 2 of 1 shard on one machine; every parameter is then sharded over both ranks, and it still trains like one
+    process."""
+    result, _, folder = run.launch("kept")
+    metrics = finished(run, "kept")
+    replicas = int(passed(result, "--replicas"))
+    assert (metrics["replicas"], metrics["shard_ranks"]) == (replicas, 2 // replicas) == (1, 2), (
+        f"--replicas {replicas}: HSDP built {metrics['replicas']} replicas of {metrics['shard_ranks']} shards"
+    )
+    assert "HSDP mesh (replicate x shard): [[0, 1]]" in result.output, result.tail()
+    default = run.strategy("two", "hsdp", 7)
+    assert (default["replicas"], default["shard_ranks"]) == (2, 1), "without --replicas: 2 replicas of 1 shard"
+    expected = model_state_bytes(PSI, 2, 3, "fp32", "momentum", fsdp_padded(2))
+    assert metrics["bytes_per_rank"] == expected, f"sharded over 2 ranks: {expected}, not {metrics['bytes_per_rank']}"
+    trained = torch.load(folder / "model.pt", weights_only=True)["model"]
+    difference = max_difference(trained, weights(run.strategy("one", "ddp", None)))
+    assert difference <= TOLERANCE, f"HSDP with one replica differs from one process by {difference:.1e}"
+
+
+@pytest.mark.parametrize("name", ["zero3", "hsdp"])
+def test_no_reshard_after_forward_gathers_each_block_once(run, name):
+    """--no-reshard-after-forward keeps each block gathered from its forward to its backward: one all-gather of
+    every unit per step, where --reshard-after-forward (the default) gathers each block again for backward.
+    The lesson's Zero3 (its own counters) and FSDP2 (through HSDP with one replica: 2 shards) alike."""
+    two, _, _ = run.launch("two")
+    kept, _, _ = run.launch("kept", "zero3" if name == "zero3" else None)
+    assert passed(two, "--reshard-after-forward") is True and passed(kept, "--no-reshard-after-forward") is True
+    todo = TODO[name]
+    if name == "zero3":
+        total, blocks, root = zero3_padded(2)
+        resharded = run.strategy("two", "zero3", todo)["wire_bytes_per_step"]["all_gather"]
+        gathered = finished(run, "kept", "zero3", todo)["wire_bytes_per_step"]["all_gather"]
+    else:
+        total = fsdp_padded(2)
+        blocks = sum(math.ceil(p.shape[0] / 2) * 2 * p[0].numel() for p in build_model(CONFIG).blocks[0].parameters())
+        root = total - blocks * CONFIG.n_layers
+        resharded = run.strategy("two", "fsdp", todo)["library_wire_bytes"]["shard"]["all_gather"]
+        gathered = finished(run, "kept", None, todo)["library_wire_bytes"].get("shard", {}).get("all_gather", 0)
+    assert resharded == 4 * (2 * blocks * CONFIG.n_layers + root), f"TODO {todo}: {name} resharded: {resharded}"
+    assert gathered == 4 * total, (
+        f"TODO {todo}: with --no-reshard-after-forward {name} all-gathered {gathered:,} bytes in a step, expected "
+        f"every unit once ({4 * total:,})"
+    )
+
+
+def test_save_dcp_writes_every_ranks_shards_and_resume_starts_after_its_step(run):
+    """--save-dcp: one shard file per rank beside DCP's index and the course's description (its step and model);
+    --resume: the run goes on from the step after the saved one, at another world size."""
+    first_step = finished(run, "dcp2")["first_step"]  # launches dcp4 first
+    (saved, _, _), (resumed, _, _) = run.launch("dcp4"), run.launch("dcp2")
+    folder = Path(passed(saved, "--save-dcp"))
+    assert (folder / ".metadata").exists() and len(list(folder.glob("*.distcp"))) == 4, sorted(folder.iterdir())
+    described = json.loads((folder / "course.json").read_text())
+    assert described["step"] == 4 and described["config"] == vars(CONFIG), described
+    assert Path(passed(resumed, "--resume")) == folder
+    assert first_step == described["step"] + 1, f"--resume: the run began at step {first_step}, not after the saved one"
 
 
 def exercise_with(tmp_path, done: set) -> Path:

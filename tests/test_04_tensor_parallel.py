@@ -8,6 +8,7 @@ nn.Linear, and the block and the SP gradients, each with the reference's other p
 one process. Whole runs are launched once, the first time a test needs them, and shared by the tests below; their
 reference is lesson 00's single-process script on the same batches (every tensor-parallel rank reads the whole
 batch). The DTensor runs depend on TODO 7 only; the hand-written runs on TODOs 1-6 together ("other checks").
+TODO 8 (the debugging lab) runs on 2 ranks in tests/workers/tp_lab.py, against one process (utils/tp_lab.py).
 """
 
 import importlib.util
@@ -18,9 +19,11 @@ import pytest
 import torch
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
+from tests.option_effects import check_shared_options, fake_wikitext, passed
 from utils.distributed_utils import CourseError
 from utils.make_exercises import make_exercise
 from utils.model import ModelConfig
+from utils.tp_lab import failure
 
 TOLERANCE = 1e-6  # fp32, SGD: the ranks' partial sums are added in another order than one process's
 B, T, D, L, HEADS = 4, 32, 32, 2, 4
@@ -31,6 +34,7 @@ COMMON = [
 ]
 RUNS = {f"tp{n}-{impl}{'-sp' * sp}": (n, impl, sp) for n in (2, 4) for impl in ("scratch", "dtensor") for sp in (0, 1)}
 WORKER = ROOT / "tests" / "workers" / "tp_units.py"
+LAB_WORKER = ROOT / "tests" / "workers" / "tp_lab.py"
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +228,45 @@ def test_activation_memory_matches_estimate_and_sequence_parallel_saves(run, n):
     assert sizes[f"tp{n}-scratch"] == sizes[f"tp{n}-dtensor"], f"both implementations keep the same tensors: {sizes}"
 
 
+def test_tp_impl_and_sequence_parallel_change_the_layers_and_the_collectives(run):
+    """What --tp-impl and --sequence-parallel change in the 2-rank runs: the kind of the sharded weights (DTensor
+    from parallelize_module, a plain Parameter slice by hand), and the activations' collectives (an all-reduce of the
+    whole activation without SP; an all-gather entering and a reduce-scatter leaving each region with SP, which
+    keeps fewer bytes for backward)."""
+    saved = {}
+    for name in [name for name in RUNS if name.startswith("tp2-")]:
+        result = run(name)[0]
+        metrics = metrics_of(run, name)
+        impl, sp = passed(result, "--tp-impl"), passed(result, "--sequence-parallel", False)
+        q = metrics["examples"]["blocks.0.attention.q_proj.weight"]
+        assert (metrics["tp_impl"], metrics["sequence_parallel"]) == (impl, sp), f"{name}: {metrics['tp_impl']}"
+        assert q["type"] == ("DTensor" if impl == "dtensor" else "Parameter"), f"--tp-impl {impl}: q_proj is {q}"
+        assert q["local_shape"] == [D // 2, D], f"--tp-impl {impl}: q_proj is {q}"
+        kinds = set(metrics["collectives_step1"]["forward"])
+        expected = {"all_gather", "reduce_scatter"} if sp else {"all_reduce"}
+        assert kinds == expected, f"{name}: forward collectives {kinds}, with --sequence-parallel {sp}: {expected}"
+        saved[impl, sp] = metrics["activation_bytes"]
+    for impl in ("scratch", "dtensor"):
+        assert saved[impl, True] < saved[impl, False], f"--sequence-parallel should keep fewer bytes: {saved}"
+
+
+def test_shared_options_change_the_run(lesson, tmp_path):
+    """Every option of the shared command line but --autocast (refused), at a value other than its default, on one
+    process (a tensor-parallel group of one, the default --tp-impl dtensor): the run trains like the same steps
+    written out with PyTorch alone on lesson 00's batches (tests/option_effects.py), logged where it says."""
+    fake_wikitext(tmp_path / "data")
+    args = [
+        "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",
+        "--data-dir", tmp_path / "data", "--seq-len", 16, "--dim", 24, "--n-layers", 1, "--n-heads", 3,
+        "--log-dir", tmp_path / "runs", "--log-every", 2, "--wandb", "--checkpoint", tmp_path / "model.pt",
+        "--metrics-out", tmp_path / "metrics.json",
+    ]  # fmt: skip
+    result = python(lesson("04"), args, timeout=180)
+    finished(result, 7)
+    metrics = check_shared_options(result, order="generator")
+    assert metrics["tp_size"] == 1 and metrics["tp_impl"] == "dtensor", metrics["tp_size"]
+
+
 def test_parameter_bytes_per_rank_shrink_with_tp(run):
     """Embeddings, norms, the head and the row-parallel biases are whole on every rank; the rest is 1/n."""
     v, hidden = CONFIG.vocab_size, 4 * D
@@ -309,3 +352,16 @@ def test_an_exercise_without_todo6_stops_there_on_a_sequence_parallel_run(tmp_pa
     result = torchrun(script, 2, args, timeout=90, env=course_env(PYTHONPATH=ROOT))
     assert result.returncode != 0, result.tail()
     assert "ERROR: TODO 6: sequence-parallel gradients is not done yet" in result.output, result.tail()
+
+
+# --------------------------------------------------------------------------------------------------
+# TODO 8: the debugging lab (a tensor-parallel layer without its g), graded like lessons 01 and 02's
+# --------------------------------------------------------------------------------------------------
+
+
+def test_todo8_lab_a_tensor_parallel_layer_without_its_g(lesson, tmp_path):
+    """2 ranks train the lab's MLP 3 SGD steps; every rank's losses must be one process's (gloo, 5 s timeout)."""
+    out = tmp_path / "lab.json"
+    torchrun(LAB_WORKER, 2, [lesson("04"), out], timeout=120).check()
+    message = failure(json.loads(out.read_text()), 8)
+    assert message is None, message

@@ -6,8 +6,9 @@ pytest tests/test_05_pipeline_parallel.py --target exercises   # your exercise (
 The reference is never the learner's own code: the schedules, the bubble and the communication plan are checked
 in pure Python against their definitions; one micro-batch's forward (TODO 5) and backward (TODO 6) against the
 whole model in this process; the runs against lesson 00's solution on one process (the same batches, the same
-seed). A test that needs earlier TODOs is skipped, naming them, until their own tests pass, so `make check` blames
-only the TODO at fault. Timings are noisy on a shared CPU: no test asserts on one.
+seed); the debugging lab (TODO 8) in pure Python, then on live ranks with the solution's engine
+(utils/pipeline_lab.py). A test that needs earlier TODOs is skipped, naming them, until their own tests pass, so
+`make check` blames only the TODO at fault. Timings are noisy on a shared CPU: no test asserts on one.
 """
 
 import argparse
@@ -21,10 +22,12 @@ import pytest
 import torch
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
+from tests.option_effects import check_shared_options, fake_wikitext, passed
 from utils.distributed_utils import CourseError
 from utils.make_exercises import make_exercise
 from utils.model import ModelConfig, build_model, loss_fn
-from utils.pipeline_timing import measured_bubble, rendezvous_completes
+from utils.pipeline_lab import HINT, check_warmups, failure
+from utils.pipeline_timing import SWEEP_MICROBATCHES, measured_bubble, rendezvous_completes
 
 TOLERANCE = 1e-6  # fp32, SGD: stages and one process differ only by the order of additions
 COMMON = [
@@ -38,9 +41,10 @@ RUNS = {  # name: (processes, arguments); every one trains on the same batches o
     "builtin_gpipe2": (2, ["--pp-impl", "builtin", "--schedule", "gpipe", "--microbatches", "4"]),
     "builtin_interleaved2": (2, ["--pp-impl", "builtin", "--schedule", "interleaved", "--microbatches", "4"]),
     "builtin_1f1b4": (4, ["--pp-impl", "builtin", "--schedule", "1f1b", "--microbatches", "4"]),
+    "builtin_zbv2": (2, ["--pp-impl", "builtin", "--schedule", "zbv", "--microbatches", "4"]),  # B split: B and W
 }
 SCRATCH = ["gpipe2", "1f1b2", "1f1b4"]
-BUILTIN = ["builtin_gpipe2", "builtin_interleaved2", "builtin_1f1b4"]
+BUILTIN = ["builtin_gpipe2", "builtin_interleaved2", "builtin_1f1b4", "builtin_zbv2"]
 ENV = course_env(PYTHONPATH=ROOT)  # `import utils` also for a script in another folder (--target-dir)
 SCRATCH_NEEDS = {"gpipe2": (1, 2, 4, 5, 6), "1f1b2": (1, 3, 4, 5, 6), "1f1b4": (1, 3, 4, 5, 6)}
 
@@ -325,6 +329,15 @@ def test_measured_bubble_is_none_when_nothing_was_recorded():
     assert measured_bubble([[("F", 0, 0.0, 1.0, 0)], [("F", 0, 1.0, 2.0, 1)]]) == pytest.approx(0.5)
 
 
+def test_stage_placement_holds_every_stage_once(script):
+    """Loop placement (interleaved): rank r holds r and r + p; ZBV's V: r and 2p - 1 - r."""
+    for schedule in script.SCHEDULES:
+        for p in range(1, 6):
+            held = [index for rank in range(p) for index in script.stage_indices(schedule, rank, p)]
+            assert sorted(held) == list(range(len(held))), f"{schedule} p={p}: {held}"
+    assert script.stage_indices("zbv", 0, 4) == [0, 7] and script.stage_indices("interleaved", 0, 4) == [0, 4]
+
+
 def test_refused_layouts(script, needs):
     needs(1)
 
@@ -336,6 +349,8 @@ def test_refused_layouts(script, needs):
         (dict(batch_size=6), 2, "multiple of 4"),
         (dict(schedule="interleaved"), 2, "--pp-impl builtin"),
         (dict(schedule="interleaved", pp_impl="builtin", n_layers=3), 2, "--n-layers 4 or more"),
+        (dict(schedule="zbv"), 2, "--pp-impl builtin"),
+        (dict(schedule="zbv", pp_impl="builtin", n_layers=3), 2, "--n-layers 4 or more"),
         (dict(n_layers=3), 4, "--n-layers 4 or more"),
         (dict(schedule="1f1b", pp_impl="builtin", microbatches=2), 4, "--microbatches >= 4"),
         (dict(bubble_sweep="sweep.json", pp_impl="builtin"), 2, "leave out --pp-impl builtin"),
@@ -409,8 +424,10 @@ def test_todo7_builtin_schedules_match_lesson_00(run, baseline, needs, name):
     assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5), f"TODO 7: losses {metrics['losses']}"
     assert metrics["stages"] == metrics["world_size"] * metrics["stages_per_rank"]
     if metrics["timeline"] is not None:  # recorded through PipelineStage methods that are not public API
+        kinds = "FBW" if metrics["schedule"] in ("interleaved-zb", "zbv") else "FB"  # zero bubble: B split in two
         for timeline in metrics["timeline"]:
-            assert len(timeline) == 2 * metrics["microbatches"] * metrics["stages_per_rank"], timeline
+            assert sorted({kind for kind, *_ in timeline}) == sorted(kinds), timeline
+            assert len(timeline) == len(kinds) * metrics["microbatches"] * metrics["stages_per_rank"], timeline
 
 
 def test_todo6_activation_memory_gpipe_grows_with_m_1f1b_bounded_by_p(run, needs):
@@ -467,7 +484,10 @@ def test_a_rank_dying_mid_schedule_ends_the_job(lesson, tmp_path, needs):
     result = torchrun(lesson("05"), 2, args, timeout=120, env=course_env(COURSE_TIMEOUT_S=20, PYTHONPATH=ROOT))
     assert result.returncode != 0, result.tail()
     assert "crashing on purpose" in result.output, result.tail()
+    assert "step    1  loss" in result.output and "step    2  loss" not in result.output, "--crash-at-step 2: step 2"
     assert "FINISHED" not in result.output
+    shown = python(lesson("05"), ["--help"], timeout=60, env=ENV)  # an option for tests: hidden from learners
+    assert shown.returncode == 0 and "--schedule" in shown.output and "--crash-at-step" not in shown.output
 
 
 def test_untouched_exercise_stops_at_todo1(tmp_path):
@@ -483,7 +503,7 @@ def test_untouched_exercise_stops_at_todo1(tmp_path):
 
 def test_bubble_sweep_fixes_the_micro_batch_and_records_its_conditions(tmp_path):
     """--bubble-sweep's plumbing with a stand-in for train(): the batch grows with m, the file says where and how."""
-    from utils.pipeline_timing import SWEEP_MICROBATCHES, bubble_sweep
+    from utils.pipeline_timing import bubble_sweep
 
     asked = []
 
@@ -503,3 +523,120 @@ def test_bubble_sweep_fixes_the_micro_batch_and_records_its_conditions(tmp_path)
     assert record["machine"]["cores"] and set(record["load_average_1min"]) == {"before", "after"}
     with pytest.raises(CourseError, match="cores"):
         bubble_sweep(train, args, 0, (os.cpu_count() or 1) + 1, torch.device("cpu"), path)
+
+
+def test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs(run, script, needs):
+    """What --pp-impl, --schedule and --microbatches change in the runs above: the stages on each rank, and the
+    forwards (F) and backwards (B, and W for zero bubble) each rank ran in the last step, per micro-batch. From
+    scratch the steps are the schedule's definition; the built-in's are torch's own (no step lists of ours)."""
+    needs(1, 2, 3, 4, 5, 6)
+    covered = set()
+    for name in RUNS:
+        result = run(name)[0]
+        impl, schedule = passed(result, "--pp-impl", "scratch"), passed(result, "--schedule")
+        m = int(passed(result, "--microbatches"))
+        metrics = finished(result, 6 if impl == "scratch" else 7)
+        p, v, covered = metrics["world_size"], 2 if schedule in script.MULTI_STAGE else 1, covered | {schedule}
+        assert (metrics["pp_impl"], metrics["schedule"], metrics["microbatches"]) == (impl, schedule, m), name
+        assert (metrics["stages"], metrics["stages_per_rank"]) == (v * p, v), f"--schedule {schedule}: {metrics}"
+        if impl == "scratch":
+            assert metrics["in_flight_per_rank"] is not None and metrics["bubble_from_steps"] is not None, name
+            for rank, timeline in enumerate(metrics["timeline"]):
+                ran = [(kind, mb) for kind, mb, *_ in timeline]
+                assert ran == reference_step_lists(p, m, schedule, rank), f"{name} rank {rank} ran {ran}"
+            continue
+        assert metrics["in_flight_per_rank"] is None and metrics["bubble_from_steps"] is None, f"--pp-impl {impl}"
+        if metrics["timeline"] is None:  # recorded through PipelineStage methods that are not public API
+            continue
+        kinds = "FBW" if schedule in ("interleaved-zb", "zbv") else "FB"
+        for rank, timeline in enumerate(metrics["timeline"]):
+            for stage in script.stage_indices(schedule, rank, p):
+                for kind in kinds:
+                    ran = sorted(mb for k, mb, *_, index in timeline if k == kind and index == stage)
+                    assert ran == list(range(m)), f"{name} rank {rank} stage {stage}: {kind} of micro-batches {ran}"
+            order = "".join(kind for kind, *_ in timeline)
+            if schedule == "gpipe":
+                assert order == "F" * m + "B" * m, f"--schedule gpipe: rank {rank} ran {order}"
+            if schedule == "1f1b" and rank == p - 1:
+                assert order == "FB" * m, f"--schedule 1f1b: the last stage alternates, ran {order}"
+    shared_run = {"interleaved-zb"}  # run on one process by test_shared_options_change_the_run
+    assert covered | shared_run == set(script.SCHEDULES), f"--schedule: no run of {set(script.SCHEDULES) - covered}"
+
+
+def test_shared_options_change_the_run(lesson, tmp_path, needs):
+    """Every shared option but --autocast (refused), at a value other than its default, on one process holding
+    both stages of the built-in interleaved zero-bubble schedule (the one --schedule choice the runs above leave
+    out): the run trains like the same steps written out with PyTorch alone on lesson 00's batches
+    (tests/option_effects.py), logged where it says, each stage running F, B and W for each micro-batch."""
+    needs(1)
+    fake_wikitext(tmp_path / "data")
+    args = [
+        "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",
+        "--data-dir", tmp_path / "data", "--seq-len", 16, "--dim", 24, "--n-layers", 2, "--n-heads", 3,
+        "--log-dir", tmp_path / "runs", "--log-every", 2, "--wandb", "--checkpoint", tmp_path / "model.pt",
+        "--metrics-out", tmp_path / "metrics.json", "--pp-impl", "builtin", "--schedule", "interleaved-zb",
+        "--microbatches", 2,
+    ]  # fmt: skip
+    result = python(lesson("05"), args, timeout=180, env=ENV)
+    finished(result, 7)
+    metrics = check_shared_options(result, order="generator")
+    assert (metrics["stages"], metrics["stages_per_rank"], metrics["bubble_predicted"]) == (2, 2, None), metrics
+    if metrics["timeline"] is not None:  # recorded through PipelineStage methods that are not public API
+        ran = sorted((kind, mb, stage) for kind, mb, *_, stage in metrics["timeline"][0])
+        assert ran == sorted((kind, mb, stage) for kind in "FBW" for mb in range(2) for stage in range(2)), ran
+
+
+def test_bubble_sweep_runs_both_schedules_at_every_m_and_writes_the_file(lesson, tmp_path, needs):
+    """--bubble-sweep through the script, on one process: GPipe and 1F1B at each m with micro-batches of
+    --batch-size sequences, each run's steps recorded in the file under the world size (the formula: no bubble)."""
+    needs(1, 2, 3, 4, 5, 6)
+    sweep = tmp_path / "sweep.json"
+    args = [
+        "--dim", 16, "--n-layers", 1, "--n-heads", 2, "--seq-len", 8, "--steps", 2, "--batch-size", 1,
+        "--optimizer", "sgd", "--log-dir", tmp_path / "runs", "--bubble-sweep", sweep,
+    ]  # fmt: skip
+    result = python(lesson("05"), args, tmp_path=tmp_path, timeout=180, env=ENV)
+    metrics = finished(result, 6)
+    record = json.loads(sweep.read_text())["1"]
+    runs = [(run["schedule"], run["microbatches"]) for run in record["runs"]]
+    assert runs == [(s, m) for s in ("gpipe", "1f1b") for m in SWEEP_MICROBATCHES], runs
+    assert record["micro_batch_size"] == 1 and "--bubble-sweep" in record["command"], record["command"]
+    for run in record["runs"]:
+        assert run["bubble_predicted"] == 0 and len(run["timeline"][0]) == 2 * run["microbatches"], run
+    assert metrics["bubble_sweep"] == record["runs"], "the metrics carry the sweep the file records"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TODO 8: the debugging lab (a schedule that deadlocks), graded like lesson 01's labs
+# ---------------------------------------------------------------------------------------------------------------
+
+LAB = ROOT / "utils" / "pipeline_lab.py"
+
+
+def test_todo8_lab_capped_warm_ups_do_not_deadlock(script, lesson, tmp_path):
+    """Pure Python first (a deadlock is named at once, nothing launched), then the 4-stage run on live ranks: the
+    learner's warm-ups through the solution's engine, the gradients against one process."""
+    if not hasattr(script, "capped_warmup"):
+        pytest.fail("TODO 8: the script has no capped_warmup (the lab at the end of the exercise)", pytrace=False)
+    message = check_warmups(script.capped_warmup)
+    assert message is None, f"TODO 8: {message}. Hint: {HINT}"
+    result = torchrun(LAB, 4, [lesson("05")], tmp_path=tmp_path, timeout=120, env=ENV).check()
+    message = failure(result.metrics, 8)
+    assert message is None, message
+
+
+def test_the_lab_deadlock_ends_within_seconds_naming_the_ranks(target, request, tmp_path):
+    """The untouched lab deadlocks on live ranks: the run must end by the 5 s timeout and name the waiting pair."""
+    if target == "exercises" or request.config.getoption("--target-dir"):
+        pytest.skip("a property of the lab itself, checked with the solutions")
+    solution = ROOT / "solutions" / "05_pipeline_parallel.py"
+    exercise = tmp_path / solution.name
+    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    result = torchrun(LAB, 4, [exercise], tmp_path=tmp_path, timeout=120, env=ENV).check()
+    ranks = result.metrics["ranks"]
+    assert all(outcome["error"] for outcome in ranks), ranks
+    assert max(outcome["seconds"] for outcome in ranks) < 60, [outcome["seconds"] for outcome in ranks]
+    message = failure(result.metrics, 8)
+    assert "rank 0 (after F0 F1) waits before B0 for gradient 0 from rank 1" in message, message
+    assert "rank 1 (after F0 F1) waits before F2 for activation 2 from rank 0" in message, message
+    assert "rank 0: warm-up 1, stuck in batch_isend_irecv [send activation 1 to rank 1, receive gradient 0" in message

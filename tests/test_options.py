@@ -46,6 +46,30 @@ EFFECTS = {
         "--lr-scaling": SHARED_RUN,
         "--trace": SHARED_RUN,
     },
+    "03": {
+        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},  # --autocast: refused
+        "--strategy": "test_strategy_all_trains_each_strategy_in_turn",
+        "--precision": "test_bf16_loss_stays_near_fp32",
+        "--replicas": "test_replicas_sets_hsdps_mesh",
+        "--reshard-after-forward": "test_no_reshard_after_forward_gathers_each_block_once",
+        "--bucket-cap-mb": "test_bucket_cap_mb_cuts_zero2s_gradients_into_buckets",
+        "--momentum": "test_one_process_reference_is_sgd_with_momentum_written_out",
+        "--save-dcp": "test_save_dcp_writes_every_ranks_shards_and_resume_starts_after_its_step",
+        "--resume": "test_save_dcp_writes_every_ranks_shards_and_resume_starts_after_its_step",
+    },
+    "04": {
+        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
+        "--tp-impl": "test_tp_impl_and_sequence_parallel_change_the_layers_and_the_collectives",
+        "--sequence-parallel": "test_tp_impl_and_sequence_parallel_change_the_layers_and_the_collectives",
+    },
+    "05": {
+        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
+        "--pp-impl": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
+        "--schedule": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
+        "--microbatches": "test_pp_impl_schedule_and_microbatches_shape_what_each_rank_runs",
+        "--bubble-sweep": "test_bubble_sweep_runs_both_schedules_at_every_m_and_writes_the_file",
+        "--crash-at-step": "test_a_rank_dying_mid_schedule_ends_the_job",
+    },
     "07": {
         **{option: SHARED_RUN for option in SHARED_OPTIONS},
         "--autocast": "test_autocast_bf16_runs_the_forward_in_bf16",
@@ -75,11 +99,7 @@ EFFECTS = {
 # Options a script refuses beyond the shared ones it leaves out: lesson -> {option: a value to pass}.
 REFUSED = {"01": {"--seed": "1"}}  # lesson 01 draws no random numbers from it: it had no effect
 # Lessons whose options are not all in EFFECTS yet: their unlisted options are reported as expected failures.
-PENDING = {
-    "03": "lesson 03's tests check its options through launches shared by many tests; name each option's test here",
-    "04": "lesson 04's tests check its options through launches shared by many tests; name each option's test here",
-    "05": "lesson 05's tests check its options through launches shared by many tests; name each option's test here",
-}
+PENDING: dict[str, str] = {}  # every lesson's options are named today
 # A value for each shared option, to pass it where it is refused.
 SAMPLE_VALUE = {"--autocast": "bf16", "--checkpoint": "model.pt", "--wandb": None, "--data-dir": "data"}
 LIMIT_S = 60  # seconds on a loaded machine; an idle one refuses in about one (the time to import torch)

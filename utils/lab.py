@@ -86,7 +86,7 @@ WITHOUT_DETAIL = {"uneven"}
 STUCK = "was stuck waiting for another rank until the timeout (or until a stuck peer gave up)"
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
     text = str(error)
     gist = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else type(error).__name__)
     missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
@@ -115,7 +115,7 @@ def run_case(lesson, name: str) -> dict:
     except NotImplementedError as error:
         return {"value": None, "error": f"not done: {error}", "seconds": time.perf_counter() - start}
     except Exception as error:  # noqa: BLE001 - the lab reports whatever the learner's code raised
-        return {"value": None, "error": _describe(error), "seconds": time.perf_counter() - start}
+        return {"value": None, "error": describe_error(error), "seconds": time.perf_counter() - start}
 
 
 def verdict(name: str, outcomes: list[dict]) -> tuple[bool, list[str]]:
@@ -160,3 +160,13 @@ def failure(name: str, outcomes: list[dict], todo: int) -> str | None:
     if passed:
         return None
     return f"TODO {todo}: {first_cause(lines)}. Hint: {hint(name)}.\nEvery rank:\n" + "\n".join(lines)
+
+
+def wait_for_everyone(store, key: str, world_size: int, timeout_s: float = 120):
+    """A barrier outside the process group (which a failed lab case may have broken): count arrivals in the store."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank reached {key} within {timeout_s} s")
+        time.sleep(0.05)

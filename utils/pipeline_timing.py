@@ -36,10 +36,11 @@ def now(device: torch.device) -> float:
 
 
 def record_builtin_timings(schedule, timeline: list, origin: list, device: torch.device) -> bool:
-    """Make a built-in schedule's stages append (kind, mb, start, end, stage) to `timeline` for every F and B,
+    """Make a built-in schedule's stages append (kind, mb, start, end, stage) to `timeline` for every F, B and W,
     times from origin[0]. It wraps PipelineStage.forward_one_chunk and backward_one_chunk, which are not public
     API: where they are missing (another torch), nothing is recorded and this returns False. A release that
-    stops calling them leaves the timeline empty: `measured_bubble` then says "not recorded" (None).
+    stops calling them leaves the timeline empty: `measured_bubble` then says "not recorded" (None). The zero-bubble
+    schedules run B as the input's gradient only, and the weights' gradient later (W, backward_weight_one_chunk).
 
     The built-in's last-stage F is the stage's forward only: the schedule computes the loss outside
     forward_one_chunk. The from-scratch engine's last-stage F includes the loss."""
@@ -59,6 +60,8 @@ def record_builtin_timings(schedule, timeline: list, origin: list, device: torch
     for stage in stages:
         stage.forward_one_chunk = timed(stage.forward_one_chunk, "F", stage.stage_index)
         stage.backward_one_chunk = timed(stage.backward_one_chunk, "B", stage.stage_index)
+        if hasattr(stage, "backward_weight_one_chunk"):  # zero-bubble schedules: B is the input's gradient only
+            stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, "W", stage.stage_index)
     return True
 
 

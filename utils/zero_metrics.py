@@ -5,11 +5,19 @@ recognises the lesson's classes by what they hold (`optimizer.flats`: ZeroOptimi
 Zero3's gathered units), so a learner's exercise is measured exactly like the solution.
 """
 
+from contextlib import contextmanager, nullcontext
+from functools import partial
+
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
-from utils.metrics import SavedActivations
+from utils.distributed_utils import print0
+from utils.group_bytes import CountCollectives
+from utils.memory import model_state_bytes, peak_model_state_bytes
+from utils.metrics import SavedActivations, param_checksum, state_bytes
 
 
 def is_zero3(model) -> bool:
@@ -131,3 +139,168 @@ def in_flight(model, optimizer) -> dict:
         root = model.root.full.numel() if model.root is not None else 0
         return {"gathered_params": root + max(sizes, default=0), "gathered_bytes": model.units[0].full.element_size()}
     return {}
+
+
+# --------------------------------------------------------------------------------------------------
+# Bytes on the wire, held bytes, checksums
+# --------------------------------------------------------------------------------------------------
+
+
+def wire_volume(wire: dict) -> int:
+    """In units of 'one reduce-scatter or one all-gather of the data': an all-reduce is both, so it counts twice.
+    A ring moves (N-1)/N of this volume through each rank's link (the bus bytes)."""
+    return 2 * wire["all_reduce"] + wire["all_gather"] + wire["reduce_scatter"]
+
+
+def counting_allreduce_hook(wire: dict, bucket):
+    """DDP's own all-reduce of a gradient bucket, counted into `wire` like the hand-written collectives:
+    model.register_comm_hook(WIRE, counting_allreduce_hook)."""
+    wire["all_reduce"] += bucket.buffer().numel() * bucket.buffer().element_size()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def mesh_groups(mesh) -> dict:
+    """FSDP2's process groups by their mesh dimension's name: "shard" (and "replicate" for HSDP)."""
+    return {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
+
+
+def full_checksum(model) -> float:
+    if is_zero3(model):
+        return sum(float(t.double().pow(2).sum()) for t in model.full_state_dict().values())
+    return param_checksum(model)
+
+
+def held_bytes(model, optimizer) -> dict:
+    """Bytes of parameters, gradients and optimizer state this rank holds now (measured from its tensors)."""
+    held = state_bytes(model, optimizer)  # model.parameters() (local shards of DTensors), .grad, optimizer.state
+    if is_zero_optimizer(optimizer):  # ZeRO-2 keeps its gradient shards on the inner optimizer's tensors
+        held["grads"] += sum(f["shard"].grad.numel() * 4 for f in optimizer.flats if f["shard"].grad is not None)
+    return held
+
+
+def optimizer_checksum(model, optimizer) -> float | None:
+    """Sum of squares of the full optimizer state (a collective for sharded models); None for ZeRO-1/2."""
+    if is_zero_optimizer(optimizer) or is_zero3(model):
+        return None
+    state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))[1]["state"]
+    return sum(float(v.double().pow(2).sum()) for s in state.values() for v in s.values() if v.dim() > 0)
+
+
+def average(loss) -> float:
+    """The loss averaged over ranks (each rank computed it on its own slice of the global batch)."""
+    loss = loss.detach().float().clone()
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    return loss.item()
+
+
+def is_model_state(model, tensor) -> bool:
+    """Does `tensor` share memory with a parameter (sharded, or gathered for this forward)?"""
+    if is_zero3(model):
+        return model.holds(tensor)
+    pointer = tensor.untyped_storage().data_ptr()
+    local = (p.to_local() if isinstance(p, DTensor) else p for p in model.parameters())
+    return any(p.untyped_storage().data_ptr() == pointer for p in local)
+
+
+# --------------------------------------------------------------------------------------------------
+# The first step of a strategy, measured; the record of a finished one; the summary rank 0 prints
+# --------------------------------------------------------------------------------------------------
+
+
+class FirstStep:
+    """What lesson 03 measures in a strategy's first step, written into `record` as it becomes known (so that a
+    run stopped at an unfinished TODO still reports what it built):
+
+        probe = FirstStep(model, WIRE)                 # before wrapping: it sees every full gradient
+        model, optimizer, ... = wrap(...)
+        probe.wrapped(model, optimizer, mesh, record)
+        with probe.measuring(step == first):           # activations, FSDP2's own collectives, ZeRO-3's timeline
+            loss = ...; probe.after_forward(loss); loss.backward(); probe.after_backward()
+        optimizer.step(); probe.after_step()           # the hand-written collectives' bytes of one step
+    """
+
+    def __init__(self, model, wire: dict):
+        self.wire, self.active = wire, False
+        self.gradient_peak = GradientPeak(model.parameters())
+
+    def wrapped(self, model, optimizer, mesh, record: dict):
+        self.model, self.optimizer, self.mesh, self.record = model, optimizer, mesh, record
+        record.update(built_layout(model, optimizer))
+        if is_zero_optimizer(optimizer):
+            self.gradient_peak.also_count(lambda flats=optimizer.flats: [f["shard"].grad for f in flats])
+        if is_zero3(model):
+            self.gradient_peak = GradientPeak(model.parameters())  # the shards: autograd accumulates their gradients
+        for key in self.wire:
+            self.wire[key] = 0
+
+    @contextmanager
+    def measuring(self, active: bool):
+        self.active = active
+        if not active:
+            yield
+            return
+        # Activations: bytes autograd saves for backward, not counting parameters (gathered ones included).
+        saved = Activations(partial(is_model_state, self.model))
+        library = CountCollectives(mesh_groups(self.mesh)) if self.mesh is not None else nullcontext()
+        if is_zero3(self.model):
+            self.model.timeline = []  # every gather and free of this step, in order
+        with saved, library:
+            yield
+        self.record["activation_bytes"] = saved.peak_bytes
+        if isinstance(library, CountCollectives):
+            self.record["library_wire_bytes"] = library.bytes
+
+    def after_forward(self, loss):
+        if self.active:
+            self.record["first_loss"] = average(loss)
+            if is_zero3(self.model):
+                self.record["gathered_bytes_after_forward"] = self.model.gathered_bytes()
+                self.record["forward_events"] = len(self.model.timeline)
+            self.gradient_peak.reset()
+
+    def after_backward(self):
+        if self.active:
+            self.record["first_gradients"] = gradient_norms(self.model, self.optimizer)
+            held = held_bytes(self.model, self.optimizer)
+            self.record["peak_bytes_in_backward"] = peak_bytes(self.model, self.optimizer, self.gradient_peak, held)
+            if is_zero3(self.model):
+                self.record["gather_timeline"], self.model.timeline = self.model.timeline, None
+
+    def after_step(self):
+        if self.active:
+            self.record["wire_bytes_per_step"] = dict(self.wire)
+            self.active = False
+
+
+def finish_record(record: dict, model, optimizer, estimate: dict, counted: bool, device):
+    """A finished strategy's record: what it holds after the step beside the estimator's prediction (held and
+    peak), checksums, and the hand-written strategies' bytes on the wire (`counted`)."""
+    wire = record.get("wire_bytes_per_step")
+    record.update(
+        param_checksum=full_checksum(model),
+        optimizer_checksum=optimizer_checksum(model, optimizer),
+        bytes_per_rank=held_bytes(model, optimizer),
+        estimated_bytes_per_rank=model_state_bytes(**estimate),
+        estimated_peak_bytes_in_backward=peak_model_state_bytes(**estimate, **in_flight(model, optimizer)),
+        gathered_bytes_after_step=model.gathered_bytes() if is_zero3(model) else None,
+        wire_bytes_per_step=wire if counted else None,
+        wire_volume_per_step=wire_volume(wire) if counted and wire else None,
+        peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    )
+    if device.type == "cuda":
+        print0(f"{record['strategy']:>5}: peak GPU memory {record['peak_memory_bytes']:,} bytes (after wrapping)")
+
+
+def report(results: dict):
+    """Rank 0 prints, for each finished strategy, its bytes per rank beside the estimator's, and the rest."""
+    for strategy, m in results.items():
+        if "stopped" in m:
+            continue
+        held, estimate, peak = m["bytes_per_rank"], m["estimated_bytes_per_rank"], m["peak_bytes_in_backward"]
+        print0(
+            f"{strategy:>5}: bytes per rank params {held['params']:,} grads {held['grads']:,} optimizer "
+            f"{held['optimizer']:,} (estimator: {estimate['params']:,} / {estimate['grads']:,} / "
+            f"{estimate['optimizer']:,}) | activations {m['activation_bytes']:,}"
+            + (f" | peak grads in backward {peak['grads']:,}" if peak["grads"] is not None else "")
+            + (f" | wire volume {m['wire_volume_per_step']:,} per step" if m["wire_volume_per_step"] else "")
+        )

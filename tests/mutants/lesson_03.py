@@ -71,4 +71,11 @@ MUTANTS = [
     Mutant(todo=7, what="the blocks ignore the mixed-precision policy: they gather fp32 in a bf16 run",
            find="fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)",
            replace="fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)"),
+    # TODO 8: lab, a unit never gathered again
+    Mutant(todo=8, what="iterates the dict itself, which gives its keys: no tensor found, no hook on the block",
+           find="output = list(output.values())",
+           replace="output = list(output)"),
+    Mutant(todo=8, what="only a dict's first value is hooked: the router's loss reaches the freed unit first",
+           find="output = list(output.values())",
+           replace="output = list(output.values())[:1]"),
 ]  # fmt: skip

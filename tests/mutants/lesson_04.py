@@ -68,4 +68,19 @@ MUTANTS = [
     Mutant(todo=7, what="the norms left out of the SP plan",
            find='            plan["attn_norm"] = SequenceParallel()\n            plan["mlp_norm"] = SequenceParallel()',
            replace="            pass"),
+    # TODO 8: lab, a tensor-parallel layer without its g
+    Mutant(todo=8, what="f and g swapped: the input summed over the ranks in forward, the output left a partial sum",
+           find="CopyToParallelRegion.apply(h, group), up_weight, up_bias))  # f: h's gradient summed\n"
+                "        y = h + ReduceFromParallelRegion.apply(",
+           replace="ReduceFromParallelRegion.apply(h, group), up_weight, up_bias))  # f: h's gradient summed\n"
+                   "        y = h + CopyToParallelRegion.apply("),
+    Mutant(todo=8, what="g added, f dropped: embed's gradient stays partial and the ranks drift apart from step 2",
+           find="        hidden = F.gelu(F.linear(CopyToParallelRegion.apply(h, group), up_weight, up_bias))  # f",
+           replace="        hidden = F.gelu(F.linear(h, up_weight, up_bias))  # f"),
+    Mutant(todo=8, what="the bias added on every rank before g: N times the bias, the ranks agree and are wrong",
+           find="ReduceFromParallelRegion.apply(F.linear(hidden, down_weight), group) + down_bias",
+           replace="ReduceFromParallelRegion.apply(F.linear(hidden, down_weight, down_bias), group)"),
+    Mutant(todo=8, what="g averages the partial outputs (as DDP averages gradients) instead of summing them",
+           find="ReduceFromParallelRegion.apply(F.linear(hidden, down_weight), group) + down_bias",
+           replace="ReduceFromParallelRegion.apply(F.linear(hidden, down_weight), group) / n + down_bias"),
 ]  # fmt: skip

@@ -55,4 +55,13 @@ MUTANTS = [
            replace="n_microbatches, loss_fn=lambda output, target: loss(output, target) / n_microbatches)"),
     Mutant(todo=7, what="sums the micro-batches' gradients (scale_grads=False)",
            find="n_microbatches, loss_fn=loss)", replace="n_microbatches, loss_fn=loss, scale_grads=False)"),
+    # TODO 8: the lab, capped warm-ups
+    Mutant(todo=8, what="caps the warm-up at max_in_flight, not max_in_flight - 1 (the first stage holds one too many)",
+           find="max_in_flight - 1, n_microbatches)", replace="max_in_flight, n_microbatches)"),
+    Mutant(todo=8, what="no warm-up on any rank: deadlock-free, but no micro-batches overlap",
+           find="return min(n_stages - rank - 1, max_in_flight - 1, n_microbatches)", replace="return 0"),
+    Mutant(todo=8, what="warm-up counted from the wrong end of the pipeline (rank instead of p - rank - 1)",
+           find="min(n_stages - rank - 1, max_in_flight - 1,", replace="min(rank, max_in_flight - 1,"),
+    Mutant(todo=8, what="not capped by m: more warm-up forwards than micro-batches when m is small",
+           find="max_in_flight - 1, n_microbatches)", replace="max_in_flight - 1)"),
 ]  # fmt: skip

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,7 +20,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the labs run on gloo, even on a GPU n
 
 import torch.distributed as dist  # noqa: E402
 
-from utils.lab import LAB_TIMEOUT_S, WITHOUT_DETAIL, run_case  # noqa: E402
+from utils.lab import LAB_TIMEOUT_S, WITHOUT_DETAIL, run_case, wait_for_everyone  # noqa: E402
 
 
 def load_lesson(path):
@@ -29,16 +28,6 @@ def load_lesson(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def wait_for_everyone(store, key: str, world_size: int, timeout_s: float = 120):
-    """A barrier outside the process group (which a failed case may have broken): count arrivals in the store."""
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < world_size:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not every rank reached {key} within {timeout_s} s")
-        time.sleep(0.05)
 
 
 def join(store, prefix: str, rank: int, world_size: int, timeout_s: float):

@@ -30,7 +30,7 @@ def check(script, schedule: str) -> str | None:
     generator = torch.Generator().manual_seed(1)
     tokens, targets = (torch.randint(0, CONFIG.vocab_size, (4, CONFIG.seq_len), generator=generator) for _ in "xy")
     loss_fn(reference(tokens), targets).backward()
-    if schedule == "interleaved":  # two stages on this rank, one block each
+    if schedule in script.MULTI_STAGE:  # two stages on this rank, one block each
         stages = [script.Stage(model, range(0, 1), True, False), script.Stage(model, range(1, 2), False, True)]
     else:
         stages = [script.Stage(model, range(0, 2), True, True)]

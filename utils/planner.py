@@ -1,0 +1,403 @@
+"""The layout planner: which (dp, tp, pp, micro-batch, ZeRO stage, recomputation) to run a model with on a cluster.
+
+    python -m utils.planner --params 70e9 --layers 80 --hidden 8192 --heads 64 --vocab 128256 --seq-len 4096 \\
+        --global-batch 1024 --gpus 64 --gpus-per-node 8 --gpu-memory 80GB --top 10
+
+    from utils.planner import Model, Cluster, Layout, predict, plan
+
+It enumerates every layout that divides the work, predicts each one's memory per GPU and step time with the
+formulas below, refuses those that cannot run (with the reason) and ranks the rest by predicted tokens/s.
+
+Memory per GPU (the first pipeline stage, which holds the most):
+- model state: utils/memory.py's ZeRO rule for the params / (tp x pp) parameters this GPU's stage shard holds;
+- activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+  (arXiv:2205.05198), Table 2 per layer, times the layers of one stage, times the micro-batches in flight.
+Step time: compute at an assumed MFU, Megatron's tensor-parallel all-reduces, pipeline sends and bubble, and
+the data-parallel gradient traffic, each collective timed with lesson 01's alpha-beta ring model.
+What it leaves out: embeddings counted as spread evenly over the stages, interleaved schedules, context and
+expert parallelism, memory fragmentation and workspace, communication that overlaps better than stated below.
+"""
+
+import argparse
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from utils.memory import OPTIMIZER_STATE, PRECISIONS, bytes_per_param, human, model_state_bytes
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Model:
+    params: float  # parameters in the whole model
+    layers: int  # transformer blocks
+    hidden: int  # width h
+    heads: int  # attention heads a
+    vocab: int  # vocabulary size v
+    seq_len: int  # tokens per sequence s
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Defaults: one H100 SXM node (80 GB, 989 TFLOP/s dense bf16, NVLink 4 at 450 GB/s each way, one 400 Gb/s
+    InfiniBand NIC per GPU = 50 GB/s). The latencies are assumptions of the order NCCL shows per ring step."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    memory: float = 80e9  # bytes per GPU
+    peak_flops: float = 989e12  # FLOP/s per GPU
+    intra_bandwidth: float = 450e9  # bytes/s per GPU inside a node
+    inter_bandwidth: float = 50e9  # bytes/s per GPU between nodes
+    intra_latency: float = 5e-6  # seconds per message inside a node
+    inter_latency: float = 10e-6  # seconds per message between nodes
+    mfu: float = 0.5  # assumed fraction of peak that compute reaches while it runs
+
+    def link(self, inside_node: bool) -> tuple[float, float]:
+        """(bandwidth, latency) of the link a group uses: the slow one as soon as it leaves a node."""
+        if inside_node:
+            return self.intra_bandwidth, self.intra_latency
+        return self.inter_bandwidth, self.inter_latency
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int  # sequences per micro-batch (b)
+    microbatches: int  # micro-batches per step per data-parallel replica (m)
+    zero: int = 1  # ZeRO stage 0-3 over the dp group
+    recompute: str = "selective"  # none, selective or full activation recomputation
+    sequence_parallel: bool = True  # Megatron sequence parallelism inside the TP group (no effect at tp=1)
+
+    def __str__(self):
+        return (
+            f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.micro_batch} m={self.microbatches} "
+            f"zero={self.zero} recompute={self.recompute}"
+        )
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    reason: str | None = None  # why the layout cannot run; None when it can
+    model_state: dict = field(default_factory=dict)  # bytes of params, grads, optimizer on one GPU
+    activations: float = 0.0  # bytes of activations on the first pipeline stage at its peak
+    compute_s: float = 0.0  # matmuls of one step on one GPU, recomputation included
+    tp_s: float = 0.0  # tensor-parallel all-reduces (not overlapped)
+    pp_s: float = 0.0  # pipeline sends between stages (not overlapped)
+    bubble_s: float = 0.0  # pipeline fill and drain: idle time
+    dp_s: float = 0.0  # data-parallel gradient (and ZeRO-3 parameter) traffic
+    dp_exposed_s: float = 0.0  # the part of dp_s that the last backward does not hide
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0  # what the predicted step achieves: 6 N tokens/s / (GPUs x peak)
+
+    @property
+    def memory(self) -> float:
+        return sum(self.model_state.values()) + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.reason is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------------
+
+
+def activation_bytes_per_layer(
+    s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, recompute: str = "none"
+) -> float:
+    """Bytes one transformer layer keeps for backward, 16-bit activations and 1-byte dropout masks.
+
+    Korthikanti et al. 2022, Table 2 (s sequence, b micro-batch, h width, a heads, t tensor-parallel size):
+      no parallelism                      sbh (34 + 5as/h)
+      tensor parallel                     sbh (10 + 24/t + 5as/(ht))
+      tensor + sequence parallel          sbh (34/t + 5as/(ht))
+      selective recomputation             drops the 5as/(ht) term (attention scores, softmax, its dropout)
+      full recomputation                  2sbh: only the layer's input (split over t by sequence parallelism)
+    The 10 are the layer norms' and dropouts' tensors, which tensor parallelism alone leaves whole on every rank.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
+    sbh = s * b * h
+    split_by_sp = t if sequence_parallel else 1
+    if recompute == "full":
+        return 2 * sbh / split_by_sp
+    scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    return sbh * (10 / split_by_sp + 24 / t + scores)
+
+
+def activation_bytes(model: Model, layout: Layout) -> float:
+    """Activations on the first pipeline stage at its peak, in bytes.
+
+    1F1B: the first stage runs p forwards before its first backward, so it holds min(p, m) micro-batches of its
+    L/p layers (Korthikanti et al. 2022, section 4.2.3: p x L/p = L layers' worth). Full recomputation also rebuilds
+    one layer's whole activations during backward. The extras of section 4.3: the embedding's dropout mask
+    (sbh/t per micro-batch in flight) and, when the first stage is also the last, the final layer norm and
+    output projection inputs (4sbh/t) and the fp32 logits of the loss (4sbv/t).
+    """
+    s, b, h, t, p = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.pp
+    sp = layout.sequence_parallel
+    in_flight = min(p, layout.microbatches)
+    layers_here = math.ceil(model.layers / p)  # the first stage gets the extra layer of an uneven split
+    per_layer = activation_bytes_per_layer(s, b, h, model.heads, t, sp, layout.recompute)
+    held = per_layer * layers_here * in_flight
+    if layout.recompute == "full":
+        held += activation_bytes_per_layer(s, b, h, model.heads, t, sp, "none")
+    split_by_sp = t if sp else 1
+    held += in_flight * s * b * h / split_by_sp
+    if p == 1:
+        held += 4 * s * b * h / split_by_sp + 4 * s * b * model.vocab / t
+    return held
+
+
+def stage_model_state(model: Model, layout: Layout, precision: str = "mixed", optimizer: str = "adam") -> dict:
+    """utils/memory.py's ZeRO rule for the parameters of one stage's tensor-parallel shard."""
+    return model_state_bytes(model.params / (layout.tp * layout.pp), layout.dp, layout.zero, precision, optimizer)
+
+
+# --------------------------------------------------------------------------------------------------
+# Time: lesson 01's alpha-beta model, t = messages x alpha + bytes on the busiest link / bandwidth
+# --------------------------------------------------------------------------------------------------
+
+
+def all_reduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce of nbytes over n ranks: 2(n-1) alpha + 2(n-1)/n x nbytes / bandwidth."""
+    return 0.0 if n == 1 else 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+
+
+def all_gather_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring all-gather (or reduce-scatter) of nbytes in all: half an all-reduce."""
+    return 0.0 if n == 1 else (n - 1) * latency + (n - 1) / n * nbytes / bandwidth
+
+
+def bubble_fraction(p: int, m: int) -> float:
+    """Share of a GPipe or 1F1B step a stage sits idle: (p-1)/(m+p-1)."""
+    return (p - 1) / (m + p - 1)
+
+
+def inside_one_node(stride: int, size: int, gpus_per_node: int) -> bool:
+    """Whether every group of `size` ranks spaced `stride` apart stays inside a node (ranks fill nodes in order).
+    The rank grid puts TP innermost (stride 1), then DP (stride tp), then PP (stride tp x dp)."""
+    span = stride * size
+    return span <= gpus_per_node and gpus_per_node % span == 0
+
+
+def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "mixed", optimizer="adam"):
+    """Memory and step time of one layout (whether or not it can run: see check_layout)."""
+    s, b, h, t, p, m = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.pp, layout.microbatches
+    pred = Prediction(layout)
+    pred.model_state = stage_model_state(model, layout, precision, optimizer)
+    pred.activations = activation_bytes(model, layout)
+
+    # Compute: 6 FLOPs per parameter per token (forward 2, backward 4), spread over every GPU.
+    tokens = layout.dp * m * b * s
+    # Recomputation: selective adds the attention scores again, about s/6h (Korthikanti et al. 2022, eq. 9);
+    # full adds a whole forward, 2 of the 6 FLOPs.
+    extra = {"none": 1.0, "selective": 1 + s / (6 * h), "full": 4 / 3}[layout.recompute]
+    pred.compute_s = 6 * model.params * tokens * extra / (cluster.gpus * cluster.peak_flops * cluster.mfu)
+
+    # Tensor parallelism (Megatron): per layer 2 all-reduces forward, 2 backward (2 more when the forward is
+    # recomputed), each of s x b x h 16-bit values, inside the node. Sequence parallelism swaps each for a
+    # reduce-scatter + all-gather of the same volume. They sit between matmuls: nothing hides them.
+    layers_here = math.ceil(model.layers / p)
+    per_layer = 4 + (2 if layout.recompute == "full" else 0)
+    tp_link = cluster.link(inside_one_node(1, t, cluster.gpus_per_node))
+    pred.tp_s = layers_here * m * per_layer * all_reduce_seconds(2 * s * b * h, t, *tp_link)
+
+    # Pipeline: fill and drain leave each stage idle (p-1)/(m+p-1) of the time; one send of the boundary
+    # activation (sequence parallel: 1/t of it per rank) per schedule slot, forward and backward.
+    busy = pred.compute_s + pred.tp_s
+    pipeline = busy * (m + p - 1) / m
+    pred.bubble_s = pipeline - busy
+    if p > 1:
+        bandwidth, latency = cluster.link(inside_one_node(t * layout.dp, p, cluster.gpus_per_node))
+        boundary = 2 * s * b * h / (t if layout.sequence_parallel else 1)
+        pred.pp_s = 2 * (m + p - 1) * (latency + boundary / bandwidth)
+
+    # Data parallelism: the stage's gradients once per step. ZeRO 0-2 move them as an all-reduce (ZeRO-1/2:
+    # reduce-scatter + all-gather of the updated parameters, the same bytes); ZeRO-3 adds a second parameter
+    # all-gather (forward and backward), 1.5x, counted once per step (parameters kept across micro-batches).
+    grad_bytes = bytes_per_param(precision, optimizer)["grads"] * model.params / (t * p)
+    transfers = 3 if layout.zero == 3 else 2
+    dp_link = cluster.link(inside_one_node(t, layout.dp, cluster.gpus_per_node))
+    pred.dp_s = transfers * all_gather_seconds(grad_bytes, layout.dp, *dp_link)
+    # What overlaps: the traffic starts during the last micro-batch's backward (2/3 of its compute) and hides there.
+    pred.dp_exposed_s = max(0.0, pred.dp_s - (2 / 3) * pred.compute_s / m)
+
+    pred.step_s = pipeline + pred.pp_s + pred.dp_exposed_s
+    pred.tokens_per_s = tokens / pred.step_s
+    pred.mfu = 6 * model.params * pred.tokens_per_s / (cluster.gpus * cluster.peak_flops)
+    return pred
+
+
+# --------------------------------------------------------------------------------------------------
+# Which layouts can run, and the ranking
+# --------------------------------------------------------------------------------------------------
+
+
+def check_layout(model: Model, cluster: Cluster, layout: Layout, global_batch: int) -> str | None:
+    """Why a layout cannot run on this model and cluster, in a few words; None when its shape is sound."""
+    dp, tp, pp = layout.dp, layout.tp, layout.pp
+    if dp * tp * pp != cluster.gpus:
+        return f"dp x tp x pp is not the GPU count ({dp * tp * pp} != {cluster.gpus})"
+    if model.heads % tp:
+        return f"heads not divisible by tp ({model.heads} heads, tp={tp})"
+    if not inside_one_node(1, tp, cluster.gpus_per_node):
+        return f"TP group crosses a node (tp={tp}, {cluster.gpus_per_node} GPUs per node)"
+    if layout.sequence_parallel and model.seq_len % tp:
+        return f"sequence not divisible by tp for sequence parallelism ({model.seq_len} tokens, tp={tp})"
+    if model.layers % pp:
+        return f"layers not divisible by pp ({model.layers} layers, pp={pp})"
+    if dp * layout.micro_batch * layout.microbatches != global_batch:
+        return f"batch does not split ({global_batch} sequences over dp={dp} x micro-batch {layout.micro_batch})"
+    if dp == 1 and layout.zero > 0:
+        return f"ZeRO shards nothing at dp=1 (ZeRO-{layout.zero} is ZeRO-0)"
+    if layout.recompute not in RECOMPUTE:
+        return f"unknown recomputation ({layout.recompute!r}, not one of {RECOMPUTE})"
+    return None
+
+
+def evaluate(model: Model, cluster: Cluster, layout: Layout, global_batch: int, **state) -> Prediction:
+    """check_layout, then predict; a layout whose shape is sound but whose memory exceeds the GPU's is refused."""
+    reason = check_layout(model, cluster, layout, global_batch)
+    if reason:
+        return Prediction(layout, reason)
+    pred = predict(model, cluster, layout, **state)
+    if pred.memory > cluster.memory:
+        pred.reason = f"does not fit ({human(pred.memory)} > {human(cluster.memory)})"
+    return pred
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), sequence_parallel=True):
+    """Every (tp, pp, dp) whose product is the GPU count, with each micro-batch size, ZeRO stage and recomputation."""
+    for tp, pp in itertools.product(divisors(cluster.gpus), repeat=2):
+        if cluster.gpus % (tp * pp):
+            continue
+        dp = cluster.gpus // (tp * pp)
+        for b, zero, recompute in itertools.product(micro_batches, range(4), RECOMPUTE):
+            m = global_batch // (dp * b)  # 0 or a remainder: check_layout says the batch does not split
+            yield Layout(dp, tp, pp, b, m, zero, recompute, sequence_parallel)
+
+
+def plan(model, cluster, global_batch, micro_batches=(1, 2, 4, 8), sequence_parallel=True, **state):
+    """Every layout evaluated: those that run first, fastest first (the smaller memory first among equals), then
+    the refused ones. state: precision and optimizer, as utils/memory.py takes them."""
+    layouts = enumerate_layouts(cluster, global_batch, micro_batches, sequence_parallel)
+    predictions = [evaluate(model, cluster, layout, global_batch, **state) for layout in layouts]
+    return sorted(predictions, key=lambda pred: (not pred.fits, -round(pred.tokens_per_s, 6), pred.memory))
+
+
+def table(predictions: list[Prediction]) -> str:
+    header = (
+        f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'mb':>3} {'m':>4} {'zero':>4} {'recompute':>9} "
+        f"{'state':>8} {'activ.':>8} {'step s':>7} {'bubble':>6} {'comm s':>7} {'tokens/s':>10} {'MFU':>5}  reason"
+    )
+    lines = [header]
+    for rank, pred in enumerate(predictions, 1):
+        lay = pred.layout
+        cells = f"{rank:>3} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {lay.micro_batch:>3} {lay.microbatches:>4} "
+        cells += f"{lay.zero:>4} {lay.recompute:>9} "
+        if pred.step_s:  # the numbers exist once the layout's shape was sound
+            comm = pred.tp_s + pred.pp_s + pred.dp_exposed_s
+            cells += f"{human(sum(pred.model_state.values())):>8} {human(pred.activations):>8} {pred.step_s:>7.2f} "
+            cells += f"{pred.bubble_s / pred.step_s:>6.1%} {comm:>7.2f} {pred.tokens_per_s:>10,.0f} {pred.mfu:>5.1%}"
+        else:
+            cells += f"{'-':>8} {'-':>8} {'-':>7} {'-':>6} {'-':>7} {'-':>10} {'-':>5}"
+        lines.append(cells + f"  {pred.reason or 'runs'}")
+    return "\n".join(lines)
+
+
+def rejection_summary(predictions: list[Prediction]) -> str:
+    """How many layouts each kind of reason refused (a reason is its kind, then its numbers in brackets)."""
+    counts = {}
+    for pred in predictions:
+        if not pred.fits:
+            kind = pred.reason.split(" (")[0]
+            counts[kind] = counts.get(kind, 0) + 1
+    return "\n".join(f"  {n:>5}  {kind}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def parse_size(text: str) -> float:
+    """'80GB', '80e9' or '141 GB' -> bytes (decimal units, as utils/memory.py prints them)."""
+    units = {"TB": 1e12, "GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1}
+    text = text.strip().upper()
+    for unit, size in units.items():
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * size
+    return float(text)
+
+
+def main(argv=None):
+    defaults = Cluster(gpus=8)
+    parser = argparse.ArgumentParser(
+        prog="python -m utils.planner",
+        description="Rank every (dp, tp, pp, micro-batch, ZeRO, recompute) layout by predicted tokens/s.",
+        epilog="The cluster defaults describe H100 SXM nodes: 8 GPUs a node, 80 GB, 989 TFLOP/s dense bf16, NVLink 4 "
+        "at 450 GB/s each way inside a node, one 400 Gb/s InfiniBand NIC (50 GB/s) per GPU between nodes; the "
+        "latencies and the MFU are assumptions.",
+    )
+    add = parser.add_argument
+    add("--params", type=float, required=True, help="parameters in the model, e.g. 70e9")
+    add("--layers", type=int, required=True, help="transformer blocks")
+    add("--hidden", type=int, required=True, help="model width h")
+    add("--heads", type=int, required=True, help="attention heads")
+    add("--vocab", type=int, required=True, help="vocabulary size")
+    add("--seq-len", type=int, required=True, help="tokens per sequence")
+    add("--global-batch", type=int, required=True, help="sequences per optimizer step, all GPUs together")
+    add("--gpus", type=int, required=True, help="GPUs in the job")
+    add("--gpus-per-node", type=int, default=defaults.gpus_per_node, help="default: 8 (an H100 node)")
+    add("--gpu-memory", default="80GB", help="memory per GPU, e.g. 80GB (default: H100 80GB)")
+    add("--peak-tflops", type=float, default=defaults.peak_flops / 1e12, help="default: 989 (H100 SXM, dense bf16)")
+    add("--mfu", type=float, default=defaults.mfu, help="assumed fraction of peak while computing (default 0.5)")
+    add("--intra-gbps", type=float, default=defaults.intra_bandwidth / 1e9, help="GB/s per GPU in a node (NVLink: 450)")
+    add("--inter-gbps", type=float, default=defaults.inter_bandwidth / 1e9, help="GB/s per GPU across nodes (IB: 50)")
+    add("--intra-latency-us", type=float, default=defaults.intra_latency * 1e6, help="per message in a node (5)")
+    add("--inter-latency-us", type=float, default=defaults.inter_latency * 1e6, help="per message across nodes (10)")
+    add("--precision", choices=sorted(PRECISIONS), default="mixed", help="model state as utils/memory.py counts it")
+    add("--optimizer", choices=sorted(OPTIMIZER_STATE), default="adam")
+    add("--micro-batches", default="1,2,4,8", help="micro-batch sizes to try, comma-separated")
+    add("--no-sequence-parallel", action="store_true", help="tensor parallelism without sequence parallelism")
+    add("--top", type=int, default=10, help="how many runnable layouts to print")
+    add("--all", action="store_true", help="print every layout, the refused ones with their reason")
+    args = parser.parse_args(argv)
+    try:
+        micro_batches = tuple(int(b) for b in args.micro_batches.split(","))
+        memory = parse_size(args.gpu_memory)
+    except ValueError:
+        parser.error("--micro-batches takes integers like 1,2,4 and --gpu-memory a size like 80GB")
+    numbers = [args.params, args.layers, args.hidden, args.heads, args.vocab, args.seq_len, args.global_batch]
+    if min(numbers + [args.gpus, args.gpus_per_node, memory, args.top] + list(micro_batches)) < 1:
+        parser.error("model sizes, --global-batch, --gpus, --gpus-per-node, --gpu-memory and --top must be positive")
+    if not 0 < args.mfu <= 1:
+        parser.error("--mfu is a fraction of peak, in (0, 1]")
+    model = Model(args.params, args.layers, args.hidden, args.heads, args.vocab, args.seq_len)
+    cluster = Cluster(
+        args.gpus, args.gpus_per_node, memory, args.peak_tflops * 1e12, args.intra_gbps * 1e9, args.inter_gbps * 1e9,
+        args.intra_latency_us * 1e-6, args.inter_latency_us * 1e-6, args.mfu,
+    )  # fmt: skip
+    state = {"precision": args.precision, "optimizer": args.optimizer}
+    predictions = plan(model, cluster, args.global_batch, micro_batches, not args.no_sequence_parallel, **state)
+    runnable = [pred for pred in predictions if pred.fits]
+    print(
+        f"{args.params:.3g} parameters, {args.gpus} GPUs ({args.gpus_per_node} per node, {human(memory)} each), "
+        f"global batch {args.global_batch} x {args.seq_len} tokens, {args.precision} {args.optimizer}, "
+        f"assumed MFU {args.mfu:.0%}: "
+        f"{len(runnable)} of {len(predictions)} layouts run"
+    )
+    print(table(predictions if args.all else runnable[: args.top]))
+    print(f"refused ({len(predictions) - len(runnable)}):\n{rejection_summary(predictions)}")
+    if not runnable:
+        print("no layout fits: add GPUs, shorten the sequence, or allow smaller micro-batches")
+
+
+if __name__ == "__main__":
+    main()

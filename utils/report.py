@@ -1,0 +1,138 @@
+"""The scaling report: tokens/s, speed-up and scaling efficiency against GPUs, from a folder of metrics files.
+
+    python -m utils.report RUNS_DIR                # a table, and RUNS_DIR/scaling.png
+    python -m utils.report RUNS_DIR --out fig.png --title "lesson 06 on 2 nodes x 4 GPUs"
+
+Each metrics file is the JSON every lesson script writes with --metrics-out (utils/metrics.py): world_size,
+tokens_per_s (all ranks together), hosts, and the layout that produced it, either as a "layout" object or as
+top-level fields (tp, pp, impl, schedule, ...). Runs with the same layout fields form one curve; dp is left out
+of the name, because it is what grows with the GPUs. Repeated runs of one layout and world size count by their
+median. Speed-up and efficiency are against the smallest world size of the same layout:
+    speed-up(n) = tokens/s(n) / tokens/s(n0)        efficiency(n) = speed-up(n) / (n / n0)
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+LAYOUT_KEYS = ("impl", "schedule", "tp", "pp", "microbatches", "ddp", "zero")
+
+
+def read_runs(folder) -> list[dict]:
+    """Every metrics file under `folder` (any depth) that has a world size and a throughput."""
+    runs = []
+    for path in sorted(Path(folder).rglob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue  # not a metrics file
+        if isinstance(record, dict) and "world_size" in record and "tokens_per_s" in record:
+            runs.append(record)
+    return runs
+
+
+def layout_name(record: dict) -> str:
+    fields = record.get("layout") if isinstance(record.get("layout"), dict) else record
+    return " ".join(f"{key}={fields[key]}" for key in LAYOUT_KEYS if key in fields) or "all runs"
+
+
+def scaling_rows(runs: list[dict]) -> list[dict]:
+    """One row per (layout, world size): median tokens/s, runs, nodes, speed-up and efficiency."""
+    groups = {}
+    for record in runs:
+        groups.setdefault(layout_name(record), {}).setdefault(int(record["world_size"]), []).append(record)
+    rows = []
+    for name in sorted(groups):
+        by_size = groups[name]
+        base_gpus = min(by_size)
+        base_speed = statistics.median(r["tokens_per_s"] for r in by_size[base_gpus])
+        for gpus in sorted(by_size):
+            speed = statistics.median(r["tokens_per_s"] for r in by_size[gpus])
+            speedup = speed / base_speed
+            nodes = max(len(set(r.get("hosts") or ["?"])) for r in by_size[gpus])
+            rows.append(
+                {
+                    "layout": name,
+                    "gpus": gpus,
+                    "nodes": nodes,
+                    "runs": len(by_size[gpus]),
+                    "tokens_per_s": speed,
+                    "speedup": speedup,
+                    "efficiency": speedup / (gpus / base_gpus),
+                    "base_gpus": base_gpus,
+                }
+            )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    width = max([len("layout")] + [len(row["layout"]) for row in rows])
+    header = f"{'GPUs':>5} {'nodes':>5} {'runs':>4} {'tokens/s':>12} {'speed-up':>8} {'efficiency':>10}"
+    lines = [f"{'layout':<{width}} {header}"]
+    for row in rows:
+        counts = f"{row['gpus']:>5} {row['nodes']:>5} {row['runs']:>4}"
+        speeds = f"{row['tokens_per_s']:>12,.0f} {row['speedup']:>7.2f}x {row['efficiency']:>10.0%}"
+        lines.append(f"{row['layout']:<{width}} {counts} {speeds}")
+    return "\n".join(lines)
+
+
+def figure(rows: list[dict], title: str):
+    """Tokens/s against GPUs (with each layout's ideal, linear scaling) beside the scaling efficiency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with plt.rc_context({"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 10}):
+        fig, (speed_ax, efficiency_ax) = plt.subplots(1, 2, figsize=(11, 4.5), constrained_layout=True)
+        for name in dict.fromkeys(row["layout"] for row in rows):
+            mine = [row for row in rows if row["layout"] == name]
+            gpus = [row["gpus"] for row in mine]
+            (line,) = speed_ax.plot(gpus, [row["tokens_per_s"] for row in mine], "o-", label=name)
+            base = mine[0]
+            ideal = [base["tokens_per_s"] * n / base["gpus"] for n in gpus]
+            speed_ax.plot(gpus, ideal, "--", color=line.get_color(), alpha=0.5, label=f"{name}: linear")
+            efficiency = [100 * row["efficiency"] for row in mine]
+            efficiency_ax.plot(gpus, efficiency, "o-", color=line.get_color(), label=name)
+        all_gpus = sorted({row["gpus"] for row in rows})
+        for ax in (speed_ax, efficiency_ax):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(all_gpus, [str(n) for n in all_gpus])
+            ax.set_xlabel("GPUs (world size)")
+            ax.grid(alpha=0.3)
+        speed_ax.set_ylabel("throughput (tokens/s, all GPUs)")
+        speed_ax.set_title("Throughput, and linear scaling from the smallest run")
+        efficiency_ax.axhline(100, color="gray", linewidth=1)
+        efficiency_ax.set_ylim(0, max(110, 5 + max(100 * row["efficiency"] for row in rows)))
+        efficiency_ax.set_ylabel("scaling efficiency (%)")
+        efficiency_ax.set_title("Efficiency = speed-up / (GPUs / smallest GPUs)")
+        speed_ax.legend()
+        efficiency_ax.legend()
+        fig.suptitle(title)
+    return fig
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m utils.report", description=__doc__.splitlines()[0])
+    parser.add_argument("runs_dir", help="folder of metrics JSON files (searched at any depth)")
+    parser.add_argument("--out", help="where to save the figure (default RUNS_DIR/scaling.png)")
+    parser.add_argument("--title", help="the figure's title: say which machine the runs come from")
+    args = parser.parse_args(argv)
+    folder = Path(args.runs_dir)
+    if not folder.is_dir():
+        sys.exit(f"{folder} is not a folder: pass the folder the sweep wrote its metrics files into")
+    runs = read_runs(folder)
+    if not runs:
+        sys.exit(f"no metrics files in {folder}: run the scripts with --metrics-out {folder}/NAME.json first")
+    rows = scaling_rows(runs)
+    print(table(rows))
+    out = Path(args.out) if args.out else folder / "scaling.png"
+    fig = figure(rows, args.title or f"Scaling of {len(runs)} runs in {folder.name}")
+    fig.savefig(out, dpi=120)
+    print(f"figure: {out}")
+
+
+if __name__ == "__main__":
+    main()
