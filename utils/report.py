@@ -82,7 +82,8 @@ def figure(rows: list[dict], title: str):
     """Tokens/s against GPUs (with each layout's ideal, linear scaling) beside the scaling efficiency."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    if "matplotlib.pyplot" not in sys.modules:  # the command line: no display. A notebook keeps its inline backend
+        matplotlib.use("Agg")  # (switching would close its figures and stop the next ones from showing)
     import matplotlib.pyplot as plt
 
     with plt.rc_context({"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 10}):
