@@ -72,6 +72,10 @@ CHECKS = [
     # At world size 1 both virtual stages sit on one rank, which then sends to itself: NCCL does, but the CPU
     # reference run fails on torch 2.11's gloo ("Pair is not connected"), so it needs two GPUs.
     Check("05", "builtin interleaved", [*SMALL, "--pp-impl", "builtin", "--schedule", "interleaved"], min_gpus=2),
+    # Lesson 06 at world size = the GPUs as data parallelism (pp = tp = 1): the grid, the DP average and the
+    # built-in mesh on NCCL; layouts with tp, pp > 1 need that many GPUs per dimension.
+    Check("06", "3D from scratch", [*SMALL, "--impl", "scratch"]),
+    Check("06", "3D built-in", [*SMALL, "--impl", "builtin"]),
     *(Check("07", method, [*SMALL, "--method", method], LOW_PRECISION_RTOL if method in ("fp16", "bf16") else FP32_RTOL)
       for method in ("none", "fp16", "bf16", "topk", "powersgd", "localsgd", "postlocal")),
     *(Check("07", f"quantize {bits} bits", [*SMALL, "--method", "quantize", "--bits", str(bits)], LOW_PRECISION_RTOL)
@@ -108,7 +112,8 @@ def launch(check: Check, nproc: int, folder: Path, env: dict) -> Run:
         args += ["--n-heads", str(nproc), "--dim", str(16 * nproc)]
     if check.lesson == "05":  # two blocks per rank (interleaved puts two stages on each), a micro-batch per stage
         args += ["--n-layers", str(2 * nproc), "--microbatches", str(max(4, nproc))]
-    return torchrun(lesson_script(check.lesson), nproc, args, tmp_path=folder, env=env, timeout=600)
+    # cold: torchrun itself, as on the cluster (warm ranks are the CPU suite's shortcut)
+    return torchrun(lesson_script(check.lesson), nproc, args, tmp_path=folder, env=env, timeout=600, cold=True)
 
 
 def gpu_env(**extra) -> dict:
