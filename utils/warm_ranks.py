@@ -261,7 +261,7 @@ def _launcher(connection, request: dict, fds: list[int], base_path: list[str]):
                 MASTER_ADDR="localhost", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default",
                 ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-                TORCHELASTIC_RUN_ID="warm-ranks", TORCHELASTIC_USE_AGENT_STORE="False",
+                TORCHELASTIC_RUN_ID="warm-ranks", TORCHELASTIC_USE_AGENT_STORE="True",
                 TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
             )  # fmt: skip
         ranks = {}
@@ -272,14 +272,28 @@ def _launcher(connection, request: dict, fds: list[int], base_path: list[str]):
                                                       "ROLE_RANK": str(rank)}  # fmt: skip
                 return request, rank_env, fds, base_path
             ranks[pid] = rank
+        # Like torchrun's agent, host the job's store at MASTER_ADDR:MASTER_PORT (the ranks' process group meets
+        # there, and scripts may use it as a store that outlives a broken group); after the forks, so that no
+        # rank inherits its server thread. The ranks' clients retry until it listens.
+        store = _agent_store(env) if nproc is not None else None
         connection.sendall(json.dumps({"pid": os.getpid()}).encode())
         code = _wait_for(ranks, fds[1], float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)), plain=nproc is None)
+        del store
         for fd in fds:
             os.close(fd)  # the reader sees the output's end once the ranks and this launcher closed it
         connection.sendall(json.dumps({"exit": code}).encode())
     except BaseException:
         traceback.print_exc()
     os._exit(0)
+
+
+def _agent_store(env: dict):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("localhost", int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=True,
+                         timeout=timedelta(seconds=900), wait_for_workers=False)  # fmt: skip
 
 
 def _wait_for(ranks: dict, stderr: int, shutdown_timeout: float, plain: bool) -> int:
