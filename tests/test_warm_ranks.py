@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from tests.launch import ROOT, course_env, python, torchrun, warm_pool
-from utils.warm_ranks import differs_at_import
+from utils.warm_ranks import WarmRanks, differs_at_import
 
 PROBE = ROOT / "tests" / "workers" / "warm_probe.py"
 # torchrun's own bookkeeping, and variables whose value is per launch by nature
@@ -85,7 +85,7 @@ def test_a_hung_rank_is_stopped_by_the_timeout_and_nothing_is_left(tmp_path):
 
 def test_launches_that_need_torchrun_or_another_import_stay_cold():
     pool = warm_pool(course_env())
-    assert pool is not None
+    assert pool is not None, f"this session's launches run cold: {differs_at_import(course_env(), _pool_environment())}"
     assert warm_pool(course_env(TORCH_DISTRIBUTED_DEBUG="DETAIL")) is None  # read when torch.distributed loads
     assert warm_pool(course_env(OMP_NUM_THREADS="2")) is None  # read when torch loads
     assert warm_pool(course_env(COURSE_TIMEOUT_S="5", PYTHONPATH=str(ROOT))) is pool  # read by the script: fine
@@ -95,3 +95,14 @@ def test_launches_that_need_torchrun_or_another_import_stay_cold():
         assert warm_pool(course_env()) is None
     finally:
         del os.environ["COURSE_COLD_RANKS"]
+
+
+def _pool_environment() -> dict:
+    pool = WarmRanks.from_environment()
+    return pool.environment if pool else {}
+
+
+def test_the_session_launches_warm():
+    """Something in the session (an import, a test) that changes a variable an import reads would turn every
+    later launch cold, silently slow: name it here."""
+    assert warm_pool(course_env()) is not None, differs_at_import(course_env(), _pool_environment())

@@ -58,7 +58,9 @@ PRELOAD = [
 # value differs from the pool's cannot reuse the pool's imports and runs cold. TORCHELASTIC_* and
 # TORCH_ELASTIC_* are torchrun's own: a launch that sets them wants torchrun.
 _IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH_", "CUDA_", "HF_", "NCCL_", "GLOO_", "PYTHON")
-_NOT_AT_IMPORT = {"PYTHONPATH", "PYTHONUNBUFFERED"}  # handled per launch
+# PYTHONPATH and PYTHONUNBUFFERED are applied per launch; inductor sets its cache folder's variable itself
+# the first time it needs it (in the test session or in the pool, whichever imported more).
+_NOT_AT_IMPORT = {"PYTHONPATH", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR"}
 
 
 def differs_at_import(env: dict, pool_env: dict) -> list[str]:
@@ -198,6 +200,8 @@ def _kill_group(pid: int):
 def serve(path: str):
     import importlib
 
+    started_with = dict(os.environ)  # what launches are compared with: the imports below may add to it
+
     for name in PRELOAD:
         importlib.import_module(name)
     if others := _other_threads():  # forking a process with threads can copy a lock one holds: refuse
@@ -211,7 +215,7 @@ def serve(path: str):
     listener.listen(16)
     listener.settimeout(1.0)
     with open(path + ".env", "w") as file:
-        json.dump(dict(os.environ), file)
+        json.dump(started_with, file)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launchers are reaped by the kernel
     parent = os.getppid()
     print("ready", flush=True)
