@@ -1,6 +1,5 @@
 """Shared test options: which copy of the lessons to test (solutions/ or a learner's exercises/)."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -17,13 +16,6 @@ def target_folder(config) -> Path:
 
 
 def pytest_configure(config):
-    # The suite never downloads, and the notebooks' kernels inherit this: their launches then read what the
-    # tests' launches read (HF_* at `import datasets`), so both can use the session's warm ranks.
-    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    if getattr(config.option, "nbval", False) and os.environ.get("COURSE_COLD_RANKS") != "1":
-        from tests.launch import course_env, warm_pool
-
-        warm_pool(course_env())  # started before the first kernel, so that every kernel finds it
     if config.getoption("--target", default="solutions") == "exercises" or config.getoption("--target-dir"):
         from tests.todo_report import TodoReport
 
@@ -60,25 +52,3 @@ def lesson(request):
         return matches[0]
 
     return find
-
-
-# Each notebook's and each test file's time (set-up, run and tear-down summed), printed at the end: the
-# figures `make notebooks` reports per notebook and that show where `make test` spends its time.
-_seconds: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report):
-    path = report.nodeid.split("::")[0]
-    _seconds[path] = _seconds.get(path, 0.0) + report.duration
-
-
-def pytest_terminal_summary(terminalreporter):
-    if terminalreporter.config.get_verbosity() < -1:
-        return  # make check (-qq): the learner sees the TODO lines only
-    for title, suffix in (("time per test file", ".py"), ("time per notebook", ".ipynb")):
-        files = {path: seconds for path, seconds in _seconds.items() if path.endswith(suffix)}
-        if files:
-            terminalreporter.section(title)
-            for path, seconds in sorted(files.items()):
-                terminalreporter.write_line(f"{seconds:7.1f} s  {path}")
-            terminalreporter.write_line(f"{sum(files.values()):7.1f} s  in all")

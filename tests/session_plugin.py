@@ -1,0 +1,45 @@
+"""The session's set-up and report for every run of the suite, notebooks included (pyproject.toml loads it with
+`-p tests.session_plugin`: a conftest.py under tests/ would not see the notebooks' cells).
+
+- The suite never downloads: HF_*_OFFLINE and WANDB_MODE=offline for this process and the kernels it starts.
+  The kernels' launches then read what the tests' launches read (HF_* at `import datasets`), so both use the
+  session's warm ranks (utils/warm_ranks.py), started before the first kernel when notebooks run.
+- At the end: the time of each test file and of each notebook.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def pytest_configure(config):
+    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    if getattr(config.option, "nbval", False) and os.environ.get("COURSE_COLD_RANKS") != "1":
+        from tests.launch import course_env, warm_pool
+
+        warm_pool(course_env())  # started before the first kernel, so that every kernel finds it
+
+
+# Each notebook's and each test file's time (set-up, run and tear-down summed), printed at the end: the
+# figures `make notebooks` reports per notebook and that show where `make test` spends its time.
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _seconds[path] = _seconds.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if terminalreporter.config.get_verbosity() < -1:
+        return  # make check (-qq): the learner sees the TODO lines only
+    for title, suffix in (("time per test file", ".py"), ("time per notebook", ".ipynb")):
+        files = {path: seconds for path, seconds in _seconds.items() if path.endswith(suffix)}
+        if files:
+            terminalreporter.section(title)
+            for path, seconds in sorted(files.items()):
+                terminalreporter.write_line(f"{seconds:7.1f} s  {path}")
+            terminalreporter.write_line(f"{sum(files.values()):7.1f} s  in all")
