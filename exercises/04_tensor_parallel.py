@@ -440,7 +440,7 @@ def main():
 
 
 # --------------------------------------------------------------------------------------------------
-# Debugging lab: a tensor-parallel layer without its g (TODO 8; notebook section 8, `make check LESSON=04`)
+# Debugging lab: ranks that train without an error and disagree (TODO 8; notebook section 8, `make check LESSON=04`)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -458,10 +458,10 @@ def train_parallel_mlp(embed: nn.Linear, up: nn.Linear, down: nn.Linear, inputs,
     losses = []
     for _ in range(steps):
         h = F.linear(inputs, embed_weight)
-        # TODO 8: lab, a tensor-parallel layer without its g. In the exercise this function trains without an
+        # TODO 8: lab, ranks that train without an error and disagree. In the exercise this function trains without an
         #   error. Run it on 2 ranks (notebook section 8): does every rank report the same losses? Do they match
         #   one process's? What does each rank hold after its slice of down, and what should the residual add
-        #   receive? Fix the MLP's two lines with the pair of TODO 1 (f entering the region, g leaving it).
+        #   receive? Fix the MLP with the autograd functions of TODO 1.
         hidden = F.gelu(F.linear(CopyToParallelRegion.apply(h, group), up_weight, up_bias))
         y = h + F.linear(hidden, down_weight) + down_bias
         loss = F.mse_loss(y, targets)

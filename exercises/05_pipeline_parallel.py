@@ -521,6 +521,7 @@ def capped_warmup(n_stages: int, n_microbatches: int, rank: int, max_in_flight: 
     # TODO 8: lab, a schedule that deadlocks. In the exercise only the first stage's warm-up is capped, and a
     #   4-stage run hangs. Which rank waits for which tensor, from whom, and when would that rank send it? Fix
     #   it: a rank can only run the forwards its predecessor sent before the predecessor waits for a gradient.
+    #   Give each rank as many warm-up forwards as the cap and its predecessor allow (fewer idles the pipeline).
     warmup = min(n_microbatches, n_stages - rank - 1)  # 1F1B's warm-up (TODO 3)
     if rank == 0:  # the first stage holds the most activations: cap it
         warmup = min(warmup, max_in_flight - 1)

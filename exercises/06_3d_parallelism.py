@@ -329,6 +329,7 @@ def main():
         layout={"pp": layout.pp, "dp": layout.dp, "tp": layout.tp},
         coordinates=everyone,
         global_batch=layout.dp * args.batch_size,
+        micro_batch=args.batch_size // args.microbatches,  # sequences per micro-batch, per replica
         microbatches=args.microbatches,
         bytes_per_rank=held,
         impl=args.impl,

@@ -355,7 +355,7 @@ def test_an_exercise_without_todo6_stops_there_on_a_sequence_parallel_run(tmp_pa
 
 
 # --------------------------------------------------------------------------------------------------
-# TODO 8: the debugging lab (a tensor-parallel layer without its g), graded like lessons 01 and 02's
+# TODO 8: the debugging lab (ranks that train without an error and disagree), graded like lessons 01 and 02's
 # --------------------------------------------------------------------------------------------------
 
 

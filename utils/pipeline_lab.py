@@ -38,8 +38,7 @@ TIMEOUT_S = 5.0  # how long a rank waits for a tensor before gloo gives up
 TOLERANCE = 1e-6  # the stages' gradients against one process on the whole batch (fp32)
 HINT = (
     "no rank may run more warm-up forwards than the rank before it (it needs one activation from it per forward, "
-    "sent before that rank waits for its first gradient): cap every rank's warm-up at max_in_flight - 1, not only "
-    "the first's"
+    "sent before that rank waits for its first gradient); give each rank as many warm-up forwards as that allows"
 )
 
 

@@ -68,7 +68,7 @@ MUTANTS = [
     Mutant(todo=7, what="the norms left out of the SP plan",
            find='            plan["attn_norm"] = SequenceParallel()\n            plan["mlp_norm"] = SequenceParallel()',
            replace="            pass"),
-    # TODO 8: lab, a tensor-parallel layer without its g
+    # TODO 8: lab, ranks that train without an error and disagree
     Mutant(todo=8, what="f and g swapped: the input summed over the ranks in forward, the output left a partial sum",
            find="CopyToParallelRegion.apply(h, group), up_weight, up_bias))  # f: h's gradient summed\n"
                 "        y = h + ReduceFromParallelRegion.apply(",
