@@ -28,6 +28,7 @@ RUNS = {  # lesson: (processes, arguments)
     "03": (2, [*SMALL, "--strategy", "all"]),
     "04": (2, [*SMALL, "--tp-impl", "dtensor", "--sequence-parallel"]),
     "05": (2, [*SMALL, "--pp-impl", "builtin", "--schedule", "1f1b"]),
+    "06": (2, [*SMALL, "--impl", "builtin", "--pp", "2", "--schedule", "gpipe"]),  # DeviceMesh, FSDP2, pipelining
     "07": (2, [*SMALL, "--method", "powersgd"]),
     "08": (2, [*SMALL, "--checkpoint-every", "2"]),
 }
