@@ -1,8 +1,9 @@
 """An earlier lesson's solution as a module, so that a later lesson composes its technique instead of copying it.
 
-    from utils.lessons import lesson
+    from utils.lessons import lesson, load_script
     tensor_parallel = lesson("04")                       # solutions/04_tensor_parallel.py, imported once
     tensor_parallel.parallelize_scratch(model, group)    # lesson 04's hand-written f/g layers
+    learner = load_script("exercises/04_tensor_parallel.py", "learner")  # any script by path, fresh each call
 
 Always the reference solution, never exercises/: lesson 06 must run whether or not a learner has finished the
 earlier exercises, and a mistake there must not show up as a mistake in lesson 06. Importing a solution runs its
@@ -34,4 +35,13 @@ def lesson(number: str) -> ModuleType:
     except BaseException:
         del sys.modules[name]
         raise
+    return module
+
+
+def load_script(path, name: str) -> ModuleType:
+    """The script at `path` as a fresh module named `name` (not registered in sys.modules): how the labs load a
+    learner's exercise beside the reference solution, each its own copy."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module

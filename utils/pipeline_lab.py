@@ -17,7 +17,6 @@ NCCL's watchdog kills the process instead (utils/lab.py says more).
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from utils.lab import wait_for_everyone  # noqa: E402
+from utils.lessons import load_script  # noqa: E402
 
 STAGES, MICROBATCHES, MAX_IN_FLIGHT = 4, 4, 2  # the live run: 4 stages, 4 micro-batches, rank 0 holds at most 2
 TIMEOUT_S = 5.0  # how long a rank waits for a tensor before gloo gives up
@@ -133,13 +133,6 @@ def check_warmups(capped_warmup) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 
-def load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 STUCK = f"waited until the {TIMEOUT_S:.0f} s timeout (or until a neighbour gave up)"
 
 
@@ -232,8 +225,8 @@ def main():
         timeout=timedelta(seconds=60),
     )  # fmt: skip
     torch.set_num_threads(1)
-    lesson = load(args.lesson.resolve(), "lab_lesson")
-    reference = load(ROOT / "solutions" / "05_pipeline_parallel.py", "lab_reference")
+    lesson = load_script(args.lesson.resolve(), "lab_lesson")
+    reference = load_script(ROOT / "solutions" / "05_pipeline_parallel.py", "lab_reference")
     started = time.perf_counter()
     outcome = run_rank(lesson, reference, store, rank, world_size)
     outcome["seconds"] = time.perf_counter() - started

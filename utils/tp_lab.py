@@ -132,18 +132,9 @@ def failure(outcomes: list[dict], todo: int) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 _ON_EACH_RANK = """
-import importlib.util
+from utils.lessons import load_script
 from utils.tp_lab import run_case
-
-
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_tp_lab_outcome = run_case(_load({path!r}, "tp_lab_lesson"), _load({reference!r}, "tp_lab_reference"))
+_tp_lab_outcome = run_case(load_script({path!r}, "tp_lab_lesson"), load_script({reference!r}, "tp_lab_reference"))
 """
 
 

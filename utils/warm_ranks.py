@@ -255,6 +255,8 @@ def _pythonpath(env: dict) -> list[str]:
 
 def _launcher(connection, request: dict, fds: list[int], base_path: list[str]):
     """In a forked child: fork the ranks, wait for them, stop the rest when one fails, report the exit code."""
+    from utils.distributed_utils import free_port
+
     try:
         os.setsid()  # a process group of its own: a test's timeout kills the launcher and its ranks together
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -262,7 +264,7 @@ def _launcher(connection, request: dict, fds: list[int], base_path: list[str]):
         env = dict(request["env"])
         if nproc is not None:  # what torchrun --standalone gives each rank
             env.update(
-                MASTER_ADDR="localhost", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
+                MASTER_ADDR="localhost", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default",
                 ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                 TORCHELASTIC_RUN_ID="warm-ranks", TORCHELASTIC_USE_AGENT_STORE="True",
@@ -390,12 +392,6 @@ def _reseed():
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ wrong fix that leaves a rank waiting ends within seconds. Rank 0 writes every ra
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ if str(ROOT) not in sys.path:  # run as a script by torchrun: `import utils` fro
     sys.path.insert(0, str(ROOT))
 
 from utils.lab import LAB_TIMEOUT_S, describe_error, first_cause  # noqa: E402
+from utils.lessons import load_script  # noqa: E402
 
 HINT = "find the tensors inside a dict too (its values, nested like tuples and lists), so each one gets the hook"
 TOLERANCE = 1e-5  # relative: 3 ranks and one process differ only by the order of additions (fp32)
@@ -82,21 +82,14 @@ def expected_squared_norm() -> float:
     return sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())
 
 
-def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_lab(learner_script) -> dict:
     """On every rank: one ZeRO-3 step of the lab's model with the learner's output_tensors.
     {"value", "error", "seconds", "events"}: events are the unit gathers and frees, in order."""
     import torch.distributed as dist
 
-    reference = load(ROOT / "solutions" / "03_zero_fsdp.py", "zero_lab_reference")
+    reference = load_script(ROOT / "solutions" / "03_zero_fsdp.py", "zero_lab_reference")
     try:
-        reference.output_tensors = load(learner_script, "zero_lab_learner").output_tensors  # what Zero3 calls
+        reference.output_tensors = load_script(learner_script, "zero_lab_learner").output_tensors  # what Zero3 calls
     except AttributeError:
         return {"value": None, "error": "not done: the script has no output_tensors", "seconds": 0, "events": []}
     rank, world_size = dist.get_rank(), dist.get_world_size()

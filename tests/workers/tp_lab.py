@@ -6,7 +6,6 @@ ranks skip ends in an error, not a hang) and puts its outcome in torchrun's stor
     torchrun --nproc_per_node=2 tests/workers/tp_lab.py exercises/04_tensor_parallel.py OUT.json
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -21,14 +20,8 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the labs run on gloo, even on a GPU n
 import torch.distributed as dist  # noqa: E402
 
 from utils.lab import LAB_TIMEOUT_S, wait_for_everyone  # noqa: E402
+from utils.lessons import load_script  # noqa: E402
 from utils.tp_lab import run_case  # noqa: E402
-
-
-def load(path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main():
@@ -38,8 +31,8 @@ def main():
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
         timeout=timedelta(seconds=120),
     )  # fmt: skip
-    lesson = load(lesson_path, "lesson04_lab")
-    reference = load(ROOT / "solutions" / "04_tensor_parallel.py", "lesson04_reference")
+    lesson = load_script(lesson_path, "lesson04_lab")
+    reference = load_script(ROOT / "solutions" / "04_tensor_parallel.py", "lesson04_reference")
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("tp_lab/", store), rank=rank, world_size=world_size,
         timeout=timedelta(seconds=LAB_TIMEOUT_S),
