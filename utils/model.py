@@ -112,8 +112,11 @@ class TransformerLM(nn.Module):
         self.norm = nn.LayerNorm(config.dim)
         self.head = nn.Linear(config.dim, config.vocab_size)  # not tied to token_embedding
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: each token's place in the whole sequence, when `tokens` is only part of it (lesson 09's
+        context parallelism gives each rank a chunk of the sequence); by default 0, 1, ..., T - 1."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
             x = block(x)

@@ -420,6 +420,7 @@ def throughput_benchmark(world_sizes, runs: int, steps: int, out: Path) -> dict:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "COURSE_NO_PROGRESS": "1"}
     results = {str(n): [] for n in world_sizes}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(runs):
             for n in world_sizes:
@@ -441,8 +442,10 @@ def throughput_benchmark(world_sizes, runs: int, steps: int, out: Path) -> dict:
             "cpu": cpu_name(),
             "cores": os.cpu_count(),
             "os": f"{platform.system()} {platform.release()}",
-            "note": "a shared machine: other jobs ran at the same time, hence the spread",
         },
+        # A load above the core count means other jobs shared the cores: then the figures are not the machine's.
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+        "loaded": max(load_before, os.getloadavg()[0]) > (os.cpu_count() or 1),
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d"),
         "world_sizes": list(world_sizes),
