@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed_utils import destroy_process_group, is_root_process, print0, run_main, setup
+from utils.measured import others_loaded
 from utils.metrics import write_metrics
 from utils.training import CourseArgumentParser, parse_args, positive_int
 
@@ -278,15 +279,14 @@ def machine_description(device: torch.device) -> dict:
         "torch": torch.__version__,
         "backend": dist.get_backend(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        # Other work on the machine slows every implementation: the spread of the rounds shows how much.
-        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
-def save_reference(path: Path, rows: list[dict], args, device):
+def save_reference(path: Path, rows: list[dict], args, device, load_before: float):
     """Merge this world size's benchmark into the reference file `path` (one entry per world size)."""
     if not is_root_process():
         return
+    load_after = os.getloadavg()[0]
     reference = json.loads(path.read_text()) if path.exists() else {}
     reference.setdefault(
         "about",
@@ -301,6 +301,8 @@ def save_reference(path: Path, rows: list[dict], args, device):
         f"--sizes {args.sizes_text} --steps {args.steps} --benchmark-out {path}",
         "rounds": args.steps,
         "machine": machine_description(device),
+        "load_average_1min": {"before": load_before, "after": load_after},
+        "loaded": others_loaded(load_before, load_after, dist.get_world_size()),  # other jobs shared the cores
         "rows": rows,
     }
     reference["runs"] = dict(sorted(runs.items(), key=lambda item: int(item[0])))
@@ -419,6 +421,7 @@ def main():
     rows, fit = [], {}
     if not args.skip_benchmark:
         print0(f"\nPart 3: time per all-reduce at {world_size} ranks (median of {args.steps} rounds)")
+        load_before = os.getloadavg()[0]  # before our rounds: other jobs' share of the cores
         rows = benchmark(args.sizes, args.steps, device)
         header = f"{'bytes':>10} {'library':>11} {'ring':>11} {'rs+ag':>11} {'ring speed':>11} {'algbw lib':>11}"
         print0(header + f" {'busbw lib':>11}")
@@ -439,7 +442,7 @@ def main():
                 f"alpha = {alpha * 1e6:.1f} us per message, 1/beta = {1 / beta / 1e9:.3f} GB/s per link"
             )
         if args.benchmark_out:
-            save_reference(args.benchmark_out, rows, args, device)
+            save_reference(args.benchmark_out, rows, args, device, load_before)
             print0(f"reference timings at {world_size} ranks written to {args.benchmark_out}")
 
     write_metrics(

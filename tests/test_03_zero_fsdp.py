@@ -24,6 +24,7 @@ import torch
 
 from tests.launch import ROOT, course_env, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
+from utils.lessons import load_script
 from utils.make_exercises import BEGIN, END, EXERCISE, make_exercise
 from utils.memory import model_state_bytes, padded_numel, peak_model_state_bytes
 from utils.metrics import param_checksum
@@ -482,6 +483,19 @@ def test_todo7_fsdp2_gathers_in_bf16(run):
 # ------------------------------------------------------------------------------------------------
 # TODO 8: the debugging lab (a unit never gathered again), graded like lessons 01 and 02's labs
 # ------------------------------------------------------------------------------------------------
+
+
+def test_todo8_output_tensors_finds_every_tensor_however_nested(lesson):
+    """Blocks may return tensors inside dicts inside tuples inside lists: every one of them, and only them."""
+    script = load_script(lesson("03"), "lesson03_todo8")
+    tensors = [torch.full((2,), float(i)) for i in range(5)]
+    output = {"hidden": tensors[0], "aux": (tensors[1], [tensors[2], {"deep": tensors[3], "step": 3}]), "n": None}
+    for shape, expected in [(tensors[4], [tensors[4]]), (output, tensors[:4]), ([output, (tensors[4],)], tensors)]:
+        found = script.output_tensors(shape)
+        assert [id(t) for t in found] == [id(t) for t in expected], (
+            f"TODO 8: output_tensors found {len(found)} of the {len(expected)} tensors in {type(shape).__name__} "
+            "output (each must be found once, inside dicts, tuples and lists at any depth; nothing else)"
+        )
 
 
 def test_todo8_lab_every_unit_is_gathered_again_for_backward(lesson, tmp_path):

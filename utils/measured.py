@@ -33,3 +33,23 @@ def conditions(load_before: str, command: str) -> str:
         f"torch {torch.__version__}, Python {sys.version.split()[0]}; command: {command}. "
         "A load above the core count means other jobs shared the cores: these are not the machine's speed."
     )
+
+
+QUIET = 0.5  # runnable processes of other jobs a measurement accepts: half a core
+
+
+def wait_until_quiet(timeout_s: float = 240.0) -> float:
+    """Wait up to timeout_s for the 1-minute load average to fall below QUIET, and return it.
+
+    A previous run's processes stay in the 1-minute average for a minute or two after they end, so a benchmark
+    that follows another one waits for them to leave it before it reads the load "before" its own runs."""
+    deadline = time.monotonic() + timeout_s
+    while os.getloadavg()[0] >= QUIET and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
+def others_loaded(before: float, after: float, ours: int) -> bool:
+    """Did other jobs share the cores? `before`: the load average before our processes ran (or as they started);
+    `after`: right after, when up to `ours` of the runnable processes it counts were our own."""
+    return max(before, after - ours) > QUIET

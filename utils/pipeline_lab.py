@@ -36,9 +36,9 @@ from utils.lessons import load_script  # noqa: E402
 STAGES, MICROBATCHES, MAX_IN_FLIGHT = 4, 4, 2  # the live run: 4 stages, 4 micro-batches, rank 0 holds at most 2
 TIMEOUT_S = 5.0  # how long a rank waits for a tensor before gloo gives up
 TOLERANCE = 1e-6  # the stages' gradients against one process on the whole batch (fp32)
-HINT = (
-    "no rank may run more warm-up forwards than the rank before it (it needs one activation from it per forward, "
-    "sent before that rank waits for its first gradient); give each rank as many warm-up forwards as that allows"
+HINT = (  # a question that leads to the cause, not the fix: the lab is the finding
+    "for the rank that waits, count the activations its warm-up forwards need from the rank before it, and how "
+    "many that rank sends before it waits for its own first gradient"
 )
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from utils.distributed_utils import CourseError, print0
+from utils.measured import others_loaded
 from utils.sharding import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +136,7 @@ def bubble_sweep(train, args: Namespace, rank: int, world_size: int, device: tor
 
     The formula assumes a stage's F and B take the same time whatever m: that holds when the micro-batch is fixed
     and compute dominates communication. Each rank needs a core of its own on CPU (p > cores is refused); a load
-    above the cores (other jobs) is recorded, warned about and marked in the file as `"loaded": true`."""
+    that our own ranks do not explain (other jobs) is recorded, warned about and marked `"loaded": true` in the file."""
     cores = os.cpu_count() or 1
     if device.type == "cpu" and world_size > cores:
         raise CourseError(
@@ -156,11 +157,11 @@ def bubble_sweep(train, args: Namespace, rank: int, world_size: int, device: tor
                 + f", formula {metrics['bubble_predicted']:.3f}"
             )
     load_after = os.getloadavg()[0]
-    loaded = device.type == "cpu" and max(load_before + world_size, load_after) > cores
+    loaded = device.type == "cpu" and others_loaded(load_before, load_after, world_size)
     if loaded:
         print0(
             f"WARNING: the load average ({load_before:.1f} before, {load_after:.1f} after, {world_size} ranks of "
-            f"ours) exceeded the {cores} cores: other jobs shared the machine; the file is marked loaded"
+            f"ours) shows other jobs on the {cores} cores: not the machine's speed; the file is marked loaded"
         )
     if rank == 0:
         script = Path(sys.argv[0]).resolve()

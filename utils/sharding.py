@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from utils.data import map_tokens, write_token_file
+from utils.measured import others_loaded, wait_until_quiet
 
 
 def _rank_and_world(rank, world_size):
@@ -420,7 +421,7 @@ def throughput_benchmark(world_sizes, runs: int, steps: int, out: Path) -> dict:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "COURSE_NO_PROGRESS": "1"}
     results = {str(n): [] for n in world_sizes}
-    load_before = os.getloadavg()[0]
+    load_before = wait_until_quiet()
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(runs):
             for n in world_sizes:
@@ -443,9 +444,9 @@ def throughput_benchmark(world_sizes, runs: int, steps: int, out: Path) -> dict:
             "cores": os.cpu_count(),
             "os": f"{platform.system()} {platform.release()}",
         },
-        # A load above the core count means other jobs shared the cores: then the figures are not the machine's.
+        # More load than our own ranks explain means other jobs shared the cores: not the machine's speed then.
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
-        "loaded": max(load_before, os.getloadavg()[0]) > (os.cpu_count() or 1),
+        "loaded": others_loaded(load_before, os.getloadavg()[0], max(world_sizes)),
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d"),
         "world_sizes": list(world_sizes),

@@ -30,7 +30,10 @@ if str(ROOT) not in sys.path:  # run as a script by torchrun: `import utils` fro
 from utils.lab import LAB_TIMEOUT_S, describe_error, first_cause  # noqa: E402
 from utils.lessons import load_script  # noqa: E402
 
-HINT = "find the tensors inside a dict too (its values, nested like tuples and lists), so each one gets the hook"
+HINT = (  # a question that leads to the cause, not the fix: the lab is the finding
+    "print what the lab's block returns and what output_tensors gives back for it: which of its tensors got the "
+    "hook that gathers the unit again before backward?"
+)
 TOLERANCE = 1e-5  # relative: 3 ranks and one process differ only by the order of additions (fp32)
 DIM, BLOCKS, BATCH = 8, 2, 6  # the batch divides by 1, 2 and 3 ranks: every rank's slice has the same size
 

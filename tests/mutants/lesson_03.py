@@ -78,4 +78,7 @@ MUTANTS = [
     Mutant(todo=8, what="only a dict's first value is hooked: the router's loss reaches the freed unit first",
            find="output = list(output.values())",
            replace="output = list(output.values())[:1]"),
+    Mutant(todo=8, what="a dict's own tensors only: tensors nested in its tuples, lists or dicts get no hook",
+           find="output = list(output.values())",
+           replace="return [value for value in output.values() if torch.is_tensor(value)]"),
 ]  # fmt: skip

@@ -5,8 +5,8 @@
 Runs solutions/06_3d_parallelism.py at a fixed global batch on 1, 2 and 4 processes as pure data parallelism
 (tp=1 pp=1), and on 2 and 4 processes with tensor parallelism (tp=2), each run's metrics kept whole, as an sbatch
 sweep would leave them in its folder. The file also records where and how they were measured (machine, cores,
-load average before and after, versions, date, command) and marks itself "loaded" when the load exceeded the
-cores: then its figures show what the report does, not how fast the machine is.
+load average before and after, versions, date, command) and marks itself "loaded" when the load shows other
+jobs than its own: then its figures show what the report does, not how fast the machine is.
 """
 
 import json
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from utils.measured import cpu_name
+from utils.measured import cpu_name, others_loaded, wait_until_quiet
 from utils.notebook import torchrun
 
 SCRIPT = "solutions/06_3d_parallelism.py"
@@ -29,7 +29,7 @@ SWEEP = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]  # (processes, tp); pp = 1, dp 
 
 def main(out: Path):
     cores, runs = os.cpu_count(), []
-    load_before = os.getloadavg()[0]
+    load_before = wait_until_quiet()
     for nproc, tp in SWEEP:
         per_replica = GLOBAL_BATCH * tp // nproc  # dp = nproc / tp replicas share the global batch
         args = [*MODEL, "--tp", tp, "--pp", 1, "--batch-size", per_replica, "--log-dir", "runs/06_scaling"]
@@ -43,7 +43,7 @@ def main(out: Path):
         "what": "solutions/06_3d_parallelism.py at a fixed global batch on 1, 2, 4 CPU processes (gloo)",
         "machine": {"cpu": cpu_name(), "cores": cores, "os": f"{platform.system()} {platform.release()}"},
         "load_average_1min": {"before": load_before, "after": load_after},
-        "loaded": max(load_before, load_after) > cores,
+        "loaded": others_loaded(load_before, load_after, max(nproc for nproc, _ in SWEEP)),
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d"),
         "command": f"OMP_NUM_THREADS=1 python -m tests.workers.three_d_notebook_scaling {out}",
