@@ -109,7 +109,15 @@ class Prediction:
 
 
 def activation_bytes_per_layer(
-    s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, recompute: str = "none"
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    value_bytes: int = 2,
+    dropout: bool = True,
 ) -> float:
     """Bytes one transformer layer keeps for backward, 16-bit activations and 1-byte dropout masks.
 
@@ -120,15 +128,66 @@ def activation_bytes_per_layer(
       selective recomputation             drops the 5as/(ht) term (attention scores, softmax, its dropout)
       full recomputation                  2sbh: only the layer's input (split over t by sequence parallelism)
     The 10 are the layer norms' and dropouts' tensors, which tensor parallelism alone leaves whole on every rank.
+    Section 4.1's sum behind them, in values of s x b x h: 4 that TP leaves whole (the two norms' inputs, the
+    inputs of QKV and of the MLP), 12 that it splits (Q, K, V, the attention output, the MLP's up output and its
+    GELU output), and two 1-byte dropout masks; the scores are a x s x s x b values (the softmax output, and with
+    dropout its mask and output). value_bytes and dropout restate them for another model: 4 for fp32 (the course's
+    CPU runs), dropout=False for the course model (it has none). A fused attention kernel (FlashAttention, and
+    PyTorch's scaled_dot_product_attention on CPU) keeps no scores either: recompute="selective" is its memory.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
     sbh = s * b * h
     split_by_sp = t if sequence_parallel else 1
     if recompute == "full":
-        return 2 * sbh / split_by_sp
-    scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
-    return sbh * (10 / split_by_sp + 24 / t + scores)
+        return value_bytes * sbh / split_by_sp
+    masks = 2 if dropout else 0
+    scores = 0 if recompute == "selective" else a * s * s * b * (value_bytes * (1 + dropout) + dropout) / t
+    return sbh * ((4 * value_bytes + masks) / split_by_sp + 12 * value_bytes / t) + scores
+
+
+def layers_of_stage(layers: int, pp: int, stage: int) -> int:
+    """Blocks of pipeline stage `stage`: the first layers % pp stages get one more (lesson 05's partition)."""
+    return layers // pp + (stage < layers % pp)
+
+
+def stage_activation_bytes(
+    model: Model, layout: Layout, stage: int = 0, value_bytes: int = 2, dropout: bool = True, vocab_parallel=True
+) -> float:
+    """One micro-batch's activations on pipeline stage `stage`, in bytes: its layers (Table 2) and section 4.3's
+    extras, the embedding's dropout mask (sbh/t, 1 byte) on the first stage and, on the last, the final norm's and
+    the head's inputs (2 values of sbh, split by sequence parallelism) and the loss's fp32 log-probabilities
+    (4sbv, split over t when the head is vocab-parallel as in Megatron; the course's head is whole: False)."""
+    s, b, h, t, p = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.pp
+    split_by_sp = t if layout.sequence_parallel else 1
+    per_layer = activation_bytes_per_layer(
+        s, b, h, model.heads, t, layout.sequence_parallel, layout.recompute, value_bytes, dropout
+    )
+    held = per_layer * layers_of_stage(model.layers, p, stage)
+    if stage == 0 and dropout:
+        held += s * b * h / split_by_sp
+    if stage == p - 1:
+        held += 2 * value_bytes * s * b * h / split_by_sp + 4 * s * b * model.vocab / (t if vocab_parallel else 1)
+    return held
+
+
+def omitted_activation_bytes(model: Model, layout: Layout, stage: int = 0, fused_attention: bool = True) -> float:
+    """What Table 2 and section 4.3 leave out, in bytes for one micro-batch on stage `stage`, from what PyTorch's
+    backward formulas save: each LayerNorm's fp32 mean and 1/std per token (two per layer, one more on the last
+    stage), a fused attention's fp32 log-sum-exp per head and token, the int64 token ids on the first stage (the
+    embedding's backward) and its int64 positions (one sequence), and on the last stage the int64 targets and the
+    loss's fp32 normaliser (the NLL's total weight, one value)."""
+    s, b, t, p = model.seq_len, layout.micro_batch, layout.tp, layout.pp
+    tokens_here = s * b / (t if layout.sequence_parallel else 1)
+    norms = 2 * layers_of_stage(model.layers, p, stage) + (stage == p - 1)
+    held = norms * 2 * 4 * tokens_here
+    if fused_attention and layout.recompute != "full":
+        held += layers_of_stage(model.layers, p, stage) * 4 * model.heads / t * s * b
+    if stage == 0:
+        held += 8 * s * b + 8 * s
+    if stage == p - 1:
+        held += 8 * s * b + 4
+    return held
 
 
 def activation_bytes(model: Model, layout: Layout) -> float:
@@ -140,18 +199,11 @@ def activation_bytes(model: Model, layout: Layout) -> float:
     (sbh/t per micro-batch in flight) and, when the first stage is also the last, the final layer norm and
     output projection inputs (4sbh/t) and the fp32 logits of the loss (4sbv/t).
     """
-    s, b, h, t, p = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.pp
-    sp = layout.sequence_parallel
-    in_flight = min(p, layout.microbatches)
-    layers_here = math.ceil(model.layers / p)  # the first stage gets the extra layer of an uneven split
-    per_layer = activation_bytes_per_layer(s, b, h, model.heads, t, sp, layout.recompute)
-    held = per_layer * layers_here * in_flight
+    s, b, h, t = model.seq_len, layout.micro_batch, model.hidden, layout.tp
+    in_flight = min(layout.pp, layout.microbatches)  # one stage (pp = 1): one micro-batch at a time
+    held = stage_activation_bytes(model, layout, 0) * in_flight
     if layout.recompute == "full":
-        held += activation_bytes_per_layer(s, b, h, model.heads, t, sp, "none")
-    split_by_sp = t if sp else 1
-    held += in_flight * s * b * h / split_by_sp
-    if p == 1:
-        held += 4 * s * b * h / split_by_sp + 4 * s * b * model.vocab / t
+        held += activation_bytes_per_layer(s, b, h, model.heads, t, layout.sequence_parallel, "none")
     return held
 
 
