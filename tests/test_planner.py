@@ -350,8 +350,9 @@ PUBLISHED = json.loads((ROOT / "notebooks" / "data" / "published_layouts.json").
 @pytest.mark.parametrize("entry", PUBLISHED, ids=[entry["name"] for entry in PUBLISHED])
 def test_published_layouts_fit_or_the_planner_says_why(entry):
     """Each published layout, on the GPUs it ran on: the planner accepts it (its predicted memory fits), or refuses
-    it for a reason stated here. Where the source does not say, we assume: micro-batch 1; FSDP as ZeRO-3; selective
-    recomputation (Llama 3 does not say; FlashAttention keeps no attention scores either, the same memory)."""
+    it for a reason stated here. Where the source does not say, we assume: micro-batch 1; FSDP as ZeRO-3, plain data
+    parallelism (Megatron-LM in 2021 and 2022) as ZeRO-0; selective recomputation (Llama 3 and Narayanan et al.'s
+    Table 1 do not say; FlashAttention keeps no attention scores either, the same memory)."""
     model = Model(entry["params"], entry["layers"], entry["hidden"], entry["heads"], entry["vocab"], entry["seq_len"])
     cluster = Cluster(entry["gpus"], entry["gpus_per_node"], entry["gpu_memory_GB"] * 1e9)
     assert entry["dp"] * entry["tp"] * entry["pp"] == entry["gpus"]
