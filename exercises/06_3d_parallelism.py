@@ -287,15 +287,16 @@ def main():
     )
     shape = (args.batch_size // args.microbatches, args.seq_len, args.dim)  # what travels between stages
     logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
-    losses = []
+    losses, activation_bytes = [], None  # activation_bytes: per micro-batch, in the last step (None: not measured)
     for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(loader)):
         inputs, targets = inputs.to(device), targets.to(device)
         optimizer.zero_grad(set_to_none=True)
         dist.barrier()  # with NCCL, a collective before the first batch_isend_irecv lets it involve some ranks only
         mine, theirs = replica_batch(inputs, grid), replica_batch(targets, grid)
-        # The last step's forwards through the saved-tensor hooks: what this rank keeps for backward (not the first
-        # step's: the built-in schedule's first step also runs the stage once to learn the shapes it exchanges).
-        with SavedActivations() if step == args.steps else contextlib.nullcontext() as saved:
+        # The last step's forwards through the saved-tensor hooks: what this rank keeps for backward. Never the
+        # built-in's first step: its schedule then also runs the stage once to learn the shapes it exchanges.
+        measured = step == args.steps and (step > 1 or args.impl == "scratch")
+        with SavedActivations() if measured else contextlib.nullcontext() as saved:
             if args.impl == "scratch":
                 loss = pipeline_step(stage, grid, steps, mine, theirs, args.microbatches, shape, device)
                 average_gradients(stage.parameters(), dp_group)
@@ -305,7 +306,7 @@ def main():
                     *((mine,) if stage.first else ()), **({"target": theirs, "losses": kept} if stage.last else {})
                 )  # FSDP2 averages the gradients over the DP sub-mesh in its reduce-scatter
                 loss = torch.stack(kept).mean() if stage.last else torch.zeros((), device=device)
-        if step == args.steps:
+        if measured:
             activation_bytes = saved.bytes // args.microbatches  # the micro-batches are the same size
         optimizer.step()
         # Every TP shard of every replica's last stage holds its replica's loss: their mean is the global batch's.
