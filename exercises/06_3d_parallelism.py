@@ -22,6 +22,7 @@ dp x --batch-size sequences (compare with lesson 00).
     sbatch slurm/06_3d_parallelism_2nodes.sbatch solutions       # the pipeline across 2 nodes, TP inside each
 """
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from torch.distributed.fsdp import fully_shard
 
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
-from utils.grid import describe_placements, full_parameters, output_not_a_view
+from utils.grid import SavedActivations, describe_placements, full_parameters, local_numel, output_not_a_view
 from utils.lessons import lesson
 from utils.metrics import state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
@@ -286,21 +287,27 @@ def main():
     )
     shape = (args.batch_size // args.microbatches, args.seq_len, args.dim)  # what travels between stages
     logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
-    losses = []
+    losses, activation_bytes = [], None  # activation_bytes: per micro-batch, in the last step (None: not measured)
     for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(loader)):
         inputs, targets = inputs.to(device), targets.to(device)
         optimizer.zero_grad(set_to_none=True)
         dist.barrier()  # with NCCL, a collective before the first batch_isend_irecv lets it involve some ranks only
         mine, theirs = replica_batch(inputs, grid), replica_batch(targets, grid)
-        if args.impl == "scratch":
-            loss = pipeline_step(stage, grid, steps, mine, theirs, args.microbatches, shape, device)
-            average_gradients(stage.parameters(), dp_group)
-        else:
-            kept = []
-            schedule.step(
-                *((mine,) if stage.first else ()), **({"target": theirs, "losses": kept} if stage.last else {})
-            )  # FSDP2 averages the gradients over the DP sub-mesh in its reduce-scatter
-            loss = torch.stack(kept).mean() if stage.last else torch.zeros((), device=device)
+        # The last step's forwards through the saved-tensor hooks: what this rank keeps for backward. Never the
+        # built-in's first step: its schedule then also runs the stage once to learn the shapes it exchanges.
+        measured = step == args.steps and (step > 1 or args.impl == "scratch")
+        with SavedActivations() if measured else contextlib.nullcontext() as saved:
+            if args.impl == "scratch":
+                loss = pipeline_step(stage, grid, steps, mine, theirs, args.microbatches, shape, device)
+                average_gradients(stage.parameters(), dp_group)
+            else:
+                kept = []
+                schedule.step(
+                    *((mine,) if stage.first else ()), **({"target": theirs, "losses": kept} if stage.last else {})
+                )  # FSDP2 averages the gradients over the DP sub-mesh in its reduce-scatter
+                loss = torch.stack(kept).mean() if stage.last else torch.zeros((), device=device)
+        if measured:
+            activation_bytes = saved.bytes // args.microbatches  # the micro-batches are the same size
         optimizer.step()
         # Every TP shard of every replica's last stage holds its replica's loss: their mean is the global batch's.
         loss = loss / (layout.dp * layout.tp) if stage.last else loss
@@ -318,6 +325,10 @@ def main():
         print0(f"saved the full model to {args.checkpoint}")
     held: list = [None] * world_size
     dist.all_gather_object(held, state_bytes(stage, optimizer))
+    activations: list = [None] * world_size  # bytes one micro-batch's forward saves for backward, per rank
+    dist.all_gather_object(activations, activation_bytes)
+    params_per_rank: list = [None] * world_size  # the parameters each rank holds (its shard of its stage)
+    dist.all_gather_object(params_per_rank, local_numel(stage))
     fsdp = [name for name, module in stage.named_modules() if type(module).__name__.startswith("FSDP")]
     write_metrics(
         args.metrics_out,
@@ -332,6 +343,8 @@ def main():
         micro_batch=args.batch_size // args.microbatches,  # sequences per micro-batch, per replica
         microbatches=args.microbatches,
         bytes_per_rank=held,
+        activation_bytes_per_rank=activations,
+        params_per_rank=params_per_rank,
         impl=args.impl,
         schedule=args.schedule,
         optimizer=args.optimizer,

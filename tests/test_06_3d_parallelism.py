@@ -19,6 +19,7 @@ import torch
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext
+from utils import planner
 from utils.distributed_utils import CourseError
 from utils.make_exercises import make_exercise
 
@@ -381,6 +382,39 @@ def test_model_state_is_split_over_the_grid(run, baseline, needs):
         by_place.setdefault((coords["pp"], coords["tp"]), set()).add(held["params"])
     assert all(len(sizes) == 1 for sizes in by_place.values()), f"DP replicas hold different shares: {by_place}"
     assert sum(h["params"] for h in builtin["bytes_per_rank"]) < sum(h["params"] for h in scratch["bytes_per_rank"])
+
+
+@pytest.mark.parametrize("name", ["scratch_222_gpipe", "scratch_212_1f1b", "builtin_222_1f1b", "builtin_221_gpipe"])
+def test_activation_bytes_are_the_planners(run, needs, name):
+    """What each rank saved for backward in one micro-batch's forward (saved_tensors_hooks, each byte of memory
+    once: utils.grid.SavedActivations) equals utils/planner.py's prediction for its stage, to the byte.
+
+    The prediction is Korthikanti et al.'s Table 2 per layer and section 4.3 per stage, restated for this model:
+    fp32 values (4 bytes), no dropout, the head not split over tp, and recompute="selective" because
+    scaled_dot_product_attention's fused CPU kernel keeps no attention scores; plus what that formula leaves out,
+    computed term by term (planner.omitted_activation_bytes: the norms' statistics, the log-sum-exp, the token ids,
+    positions and targets). Every saved tensor is one of these terms, so the tolerance is zero bytes: a saved
+    tensor more or less (a copy, a view saved twice, a stage that keeps another's input) fails the test."""
+    needs(1, 2, 3, 4, 5)
+    result, _ = run(name)
+    metrics = finished(result, 6 if name in SCRATCH else 7)
+    values = dict(zip(COMMON[::2], COMMON[1::2]))
+    n_layers, dim, heads, seq_len = (int(values[k]) for k in ("--n-layers", "--dim", "--n-heads", "--seq-len"))
+    model = planner.Model(0, n_layers, dim, heads, 256, seq_len)  # byte-level vocabulary; params not needed here
+    shape = metrics["layout"]
+    layout = planner.Layout(
+        shape["dp"], shape["tp"], shape["pp"], metrics["micro_batch"], metrics["microbatches"], 0, "selective", False
+    )
+    for rank, (place, measured) in enumerate(zip(metrics["coordinates"], metrics["activation_bytes_per_rank"])):
+        formula = planner.stage_activation_bytes(model, layout, place["pp"], value_bytes=4, dropout=False,
+                                                 vocab_parallel=False)  # fmt: skip
+        omitted = planner.omitted_activation_bytes(model, layout, place["pp"])
+        assert measured == formula + omitted, (
+            f"{name} rank {rank} {place}: saved {measured} bytes for backward, the planner predicts {formula:.0f} "
+            f"+ {omitted:.0f} it leaves out = {formula + omitted:.0f}"
+        )
+    # Parameters per rank: the same count as the fp32 bytes of parameters each rank holds.
+    assert [4 * n for n in metrics["params_per_rank"]] == [held["params"] for held in metrics["bytes_per_rank"]]
 
 
 @pytest.mark.parametrize("name", list(RUNS))

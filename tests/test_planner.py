@@ -24,6 +24,7 @@ from utils.planner import (
     inside_one_node,
     plan,
     predict,
+    stage_activation_bytes,
 )
 
 # The issue's example: a Llama-3-70B-shaped model on 8 nodes of 8 H100s.
@@ -147,7 +148,7 @@ def test_groups_inside_a_node():
 @pytest.mark.parametrize(
     "layout, gpus, words",
     [
-        (Layout(4, 2, 4, 1, 256), 64, "dp x tp x pp is not the GPU count"),
+        (Layout(4, 2, 4, 1, 256), 64, "cp x dp x tp x pp is not the GPU count"),
         (Layout(8, 3, 1, 1, 128), 24, "heads not divisible by tp"),
         (Layout(4, 16, 1, 1, 256), 64, "TP group crosses a node"),
         (Layout(16, 4, 1, 2, 32), 64, None),
@@ -185,6 +186,116 @@ def test_plan_ranks_runnable_layouts_and_refuses_the_rest():
     assert all(not pred.fits for pred in predictions if pred.layout.pp not in (1, 2, 4, 8, 16))  # 80 layers
 
 
+def test_a_dense_model_without_cp_or_ep_is_predicted_as_before():
+    """The planner before context and expert parallelism (commit 033e2c2) predicted these for the 70B model; a
+    dense model with cp = ep = 1 must still get exactly them, and the same ranking."""
+    before = [  # (gpus, GPUs per node, layout, memory bytes, step s, tokens/s)
+        (64, 8, Layout(8, 2, 4, 1, 128, 1, "selective"), 93826136384.0, 63.85908617835493, 65680.61416171129),
+        (64, 8, Layout(4, 8, 2, 2, 128, 3, "full"), 20486344448.0, 93.21998129290526, 44993.61555138199),
+        (64, 4, Layout(16, 4, 1, 1, 64, 2, "none"), 181070975776.0, 61.59120825695342, 68099.06995981814),
+        (64, 8, Layout(2, 4, 8, 1, 512, 0, "selective", False), 78218108416.0, 67.79579391100117, 61866.72886382991),
+    ]
+    for gpus, per_node, layout, memory, step_s, tokens_per_s in before:
+        pred = predict(LLAMA70, Cluster(gpus, per_node), layout)
+        assert (pred.memory, pred.step_s, pred.tokens_per_s) == pytest.approx((memory, step_s, tokens_per_s), rel=1e-12)
+        assert pred.cp_s == 0 == pred.ep_s
+    predictions = plan(LLAMA70, H100x64, 1024)
+    assert (len(predictions), sum(pred.fits for pred in predictions)) == (1344, 240)
+    assert [str(pred.layout) for pred in predictions[:2]] == [
+        "dp=8 tp=2 pp=4 mb=1 m=128 zero=2 recompute=selective",
+        "dp=4 tp=2 pp=8 mb=1 m=256 zero=3 recompute=selective",
+    ]
+
+
+def test_context_parallelism_divides_activations_and_adds_the_rings_traffic():
+    """cp = 2 holds half of every sequence: the activations of a model with half the sequence. The ring's K/V
+    traffic (2 x (cp-1)/cp x s x b x h / t values of 2 bytes forward, twice backward) hides behind the attention
+    (2 s^2 b h / (cp t) FLOPs forward) inside a node, and shows when the cp group crosses nodes."""
+    layout = Layout(dp=4, tp=8, pp=1, micro_batch=1, microbatches=256, zero=1, cp=2)
+    assert check_layout(LLAMA70, H100x64, layout, 1024) is None
+    half = Model(70e9, 80, 8192, 64, 128256, 2048)
+    assert activation_bytes(LLAMA70, layout) == activation_bytes(half, Layout(4, 8, 1, 1, 256, zero=1))
+    sbh = 2048 * 8192  # by hand, TP + SP + selective: sbh 34/t a layer, the embedding's mask, the output layer
+    assert activation_bytes(LLAMA70, layout) == pytest.approx(
+        80 * sbh * 34 / 8 + sbh / 8 + 4 * sbh / 8 + 4 * 2048 * 128256 / 8
+    )
+    attention = 2 * 4096**2 * 8192 / (2 * 8) / (989e12 * 0.5)  # seconds, forward, per layer and micro-batch
+    kv_bytes = 2 * 2 * (1 / 2) * 4096 * 8192 / 8
+    inside = predict(LLAMA70, H100x64, layout)  # tp 8 x cp 2 = 16 ranks: the cp pairs are 8 apart, across nodes
+    across = 5e-6 + kv_bytes / 450e9, 10e-6 + kv_bytes / 50e9
+    assert across[0] < attention < across[1]
+    assert inside.cp_s == pytest.approx(80 * 256 * 3 * (across[1] - attention))
+    big_nodes = predict(LLAMA70, Cluster(gpus=64, gpus_per_node=16), layout)  # the cp pairs inside a node: hidden
+    assert big_nodes.cp_s == 0
+    # TP's all-reduces carry s/cp tokens; the gradients go over the dp x cp = 8 ranks that hold the same weights.
+    assert inside.tp_s == pytest.approx(80 * 256 * 4 * all_reduce_seconds(2 * 2048 * 8192, 8, 450e9, 5e-6))
+    assert inside.dp_s == pytest.approx(2 * all_gather_seconds(2 * 70e9 / 8, 8, 50e9, 10e-6))
+    assert inside.model_state == predict(LLAMA70, H100x64, Layout(8, 8, 1, 1, 128, zero=1)).model_state
+    # Refused: a sequence that does not split into 2 x cp chunks, a product that is not the GPU count.
+    odd = Layout(dp=2, tp=8, pp=1, micro_batch=1, microbatches=512, zero=1, cp=3)
+    assert check_layout(LLAMA70, Cluster(gpus=48), odd, 1024).startswith("sequence not divisible by 2 x cp")
+    assert check_layout(LLAMA70, H100x64, Layout(4, 8, 1, 1, 256, cp=4), 1024).startswith("cp x dp x tp x pp")
+
+
+MIXTRAL = Model(47e9, 32, 4096, 32, 32000, 4096, experts=8, top_k=2, ffn_hidden=14336)  # Mixtral-8x7B's shape
+
+
+def test_expert_parallelism_splits_the_experts_and_adds_the_all_to_alls():
+    experts = 32 * 8 * 2 * 4096 * 14336  # up and down of every expert of every layer
+    assert MIXTRAL.expert_params == experts and MIXTRAL.active_params == 47e9 - experts * 6 / 8
+    cluster = Cluster(gpus=8)
+    layout = Layout(dp=8, tp=1, pp=1, micro_batch=1, microbatches=8, zero=0, ep=8)
+    assert check_layout(MIXTRAL, cluster, layout, 64) is None
+    pred = predict(MIXTRAL, cluster, layout)
+    # Mixed precision Adam, 16 bytes a parameter: the dense part whole, 1/8 of the experts.
+    assert sum(pred.model_state.values()) == pytest.approx(16 * (47e9 - experts) + 16 * experts / 8, rel=1e-9)
+    # Per layer and micro-batch: 4 all-to-alls (dispatch and combine, forward and backward) of 4096 tokens x
+    # top-2 x 4096 values x 2 bytes, 7/8 of it to the other ranks, 7 messages each.
+    one = 7 * 5e-6 + 4096 * 2 * 4096 * 2 * (7 / 8) / 450e9
+    assert pred.ep_s == pytest.approx(32 * 8 * 4 * one)
+    # Compute counts the active parameters only; EP adds memory savings, not FLOPs.
+    tokens = 64 * 4096
+    assert pred.compute_s == pytest.approx(
+        6 * MIXTRAL.active_params * tokens * (1 + 4096 / (6 * 4096)) / (8 * 989e12 / 2)
+    )
+    # Each token's MLP activations count top_k times: 1 more whole value and 8 more split ones of 2 bytes.
+    sbh, t = 4096 * 4096, 2
+    more = activation_bytes_per_layer(4096, 1, 4096, 32, t, False, "selective", top_k=2) - activation_bytes_per_layer(
+        4096, 1, 4096, 32, t, False, "selective"
+    )
+    assert more == sbh * (2 + 8 * 2 / t)
+    dense = Model(47e9, 32, 4096, 32, 32000, 4096)
+    assert stage_activation_bytes(MIXTRAL, layout) > stage_activation_bytes(dense, layout)
+
+
+@pytest.mark.parametrize(
+    "model, layout, words",
+    [
+        (MIXTRAL, Layout(8, 1, 1, 1, 8, zero=0, ep=3), "experts not divisible by ep"),
+        (MIXTRAL, Layout(2, 4, 1, 1, 32, zero=0, ep=4), "ep does not divide dp x cp"),
+        (MIXTRAL, Layout(2, 2, 1, 1, 32, zero=0, cp=2, ep=4), None),  # ep inside dp x cp = 4
+        (Model(8e9, 32, 4096, 32, 128256, 4096), Layout(8, 1, 1, 1, 8, zero=0, ep=2), "EP without experts"),
+    ],
+)
+def test_expert_parallel_layouts_refused_with_the_reason(model, layout, words):
+    reason = check_layout(model, Cluster(gpus=8), layout, 64)
+    assert reason is None if words is None else reason.startswith(words), reason
+
+
+def test_plan_considers_cp_and_ep():
+    predictions = plan(MIXTRAL, Cluster(gpus=16), 64, micro_batches=(1,), cps=(1, 2), eps=(1, 2, 4, 8))
+    shapes = {(pred.layout.cp, pred.layout.ep) for pred in predictions}
+    assert shapes == {(cp, ep) for cp in (1, 2) for ep in (1, 2, 4, 8)}
+    runnable = [pred for pred in predictions if pred.fits]
+    assert {pred.layout.ep for pred in runnable} > {1} and {pred.layout.cp for pred in runnable} == {1, 2}
+    for pred in predictions:
+        lay = pred.layout
+        assert lay.dp * lay.cp * lay.tp * lay.pp == 16
+        if (lay.dp * lay.cp) % lay.ep:
+            assert not pred.fits
+    assert any(pred.reason.startswith("ep does not divide dp x cp") for pred in predictions if not pred.fits)
+
+
 def run_planner(*args):
     command = [sys.executable, "-m", "utils.planner", *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -209,11 +320,21 @@ def test_command_line_prints_a_ranked_table():
     assert "TP group crosses a node" in result.stdout and "does not fit" in result.stdout
     # The same ranking as plan(), and the help states the H100 defaults.
     first = plan(LLAMA70, H100x64, 1024)[0].layout
-    assert rows[0][1:8] == [str(v) for v in (first.dp, first.tp, first.pp, first.micro_batch, first.microbatches)] + [
-        str(first.zero),
-        first.recompute,
-    ]
+    numbers = (first.dp, first.tp, first.pp, first.cp, first.ep, first.micro_batch, first.microbatches, first.zero)
+    assert rows[0][1:10] == [str(v) for v in numbers] + [first.recompute]
     assert "H100" in run_planner("--help").stdout
+
+
+def test_command_line_takes_cp_ep_and_experts():
+    args = "--params 47e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq-len 32768 --global-batch 64 "
+    args += "--gpus 16 --experts 8 --top-k 2 --ffn-hidden 14336 --cp 1,2,4 --ep 1,2,8 --top 3"
+    result = run_planner(*args.split())
+    assert result.returncode == 0, result.stderr
+    assert "ep does not divide dp x cp" in result.stdout and "runs" in result.stdout
+    result = run_planner(*args.replace("--top-k 2", "--top-k 9").split())
+    assert result.returncode == 2 and "--top-k 9 is more than --experts 8" in result.stderr.splitlines()[-1]
+    result = run_planner(*args.replace("--experts 8", "--experts 80").split())
+    assert result.returncode == 2 and "not less than --params" in result.stderr.splitlines()[-1]
 
 
 def test_command_line_refuses_bad_input_in_one_line():
@@ -229,8 +350,9 @@ PUBLISHED = json.loads((ROOT / "notebooks" / "data" / "published_layouts.json").
 @pytest.mark.parametrize("entry", PUBLISHED, ids=[entry["name"] for entry in PUBLISHED])
 def test_published_layouts_fit_or_the_planner_says_why(entry):
     """Each published layout, on the GPUs it ran on: the planner accepts it (its predicted memory fits), or refuses
-    it for a reason stated here. Where the source does not say, we assume: micro-batch 1; FSDP as ZeRO-3; selective
-    recomputation (Llama 3 does not say; FlashAttention keeps no attention scores either, the same memory)."""
+    it for a reason stated here. Where the source does not say, we assume: micro-batch 1; FSDP as ZeRO-3, plain data
+    parallelism (Megatron-LM in 2021 and 2022) as ZeRO-0; selective recomputation (Llama 3 and Narayanan et al.'s
+    Table 1 do not say; FlashAttention keeps no attention scores either, the same memory)."""
     model = Model(entry["params"], entry["layers"], entry["hidden"], entry["heads"], entry["vocab"], entry["seq_len"])
     cluster = Cluster(entry["gpus"], entry["gpus_per_node"], entry["gpu_memory_GB"] * 1e9)
     assert entry["dp"] * entry["tp"] * entry["pp"] == entry["gpus"]

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.launch import ROOT
-from utils.report import figure, layout_name, read_runs, scaling_rows, table
+from utils.report import comparison_rows, comparison_table, figure, layout_name, read_runs, scaling_rows, select, table
 
 
 def write_run(folder, name, world_size, tokens_per_s, nodes=1, **layout):
@@ -46,7 +46,7 @@ def test_rows_are_median_speedup_and_efficiency(runs_dir):
 
 
 def test_layout_name_leaves_dp_out():
-    assert layout_name({"layout": {"dp": 4, "tp": 2, "pp": 1}, "impl": "scratch"}) == "tp=2 pp=1"
+    assert layout_name({"layout": {"dp": 4, "tp": 2, "pp": 1}, "impl": "scratch"}) == "impl=scratch tp=2 pp=1"
     named = layout_name({"impl": "builtin", "schedule": "1f1b", "tp": 2, "pp": 2})
     assert named == "impl=builtin schedule=1f1b tp=2 pp=2"
     assert layout_name({"world_size": 2}) == "all runs"
@@ -92,3 +92,49 @@ def test_command_line_refuses_an_empty_folder_in_one_line(tmp_path):
     assert result.returncode == 1 and result.stderr.strip().count("\n") == 0 and "--metrics-out" in result.stderr
     result = run_report(tmp_path / "missing")
     assert result.returncode == 1 and "not a folder" in result.stderr
+
+
+@pytest.fixture
+def two_implementations(tmp_path):
+    """Lesson 06 from scratch on 1, 2, 4 and 8 GPUs, built in on 2, 4 and 8, as a sweep of each leaves them."""
+    for gpus, speed in ((1, 1000.0), (2, 1800.0), (4, 3200.0), (8, 5600.0)):
+        write_run(tmp_path, f"scratch{gpus}", gpus, speed, impl="scratch", layout={"dp": gpus, "tp": 1, "pp": 1})
+    for gpus, speed in ((2, 2000.0), (4, 3600.0), (8, 7000.0)):
+        write_run(tmp_path, f"builtin{gpus}", gpus, speed, impl="builtin", layout={"dp": gpus, "tp": 1, "pp": 1})
+    return tmp_path
+
+
+def test_two_curves_compared_at_the_world_sizes_both_ran(two_implementations):
+    rows = scaling_rows(read_runs(two_implementations))
+    scratch, builtin = select(rows, "impl=scratch"), select(rows, "impl=builtin")
+    assert {row["layout"] for row in scratch} == {"impl=scratch tp=1 pp=1"}  # dp is what grows: left out
+    compared = comparison_rows(scratch, builtin)
+    assert [row["gpus"] for row in compared] == [2, 4, 8]  # the built-in has no 1-GPU run
+    assert [row["ratio"] for row in compared] == pytest.approx([2000 / 1800, 3600 / 3200, 7000 / 5600])
+    # Each curve's efficiency against its own smallest run: scratch from 1 GPU, built-in from 2.
+    assert compared[-1]["first_efficiency"] == pytest.approx(5600 / 1000 / 8)
+    assert compared[-1]["second_efficiency"] == pytest.approx(7000 / 2000 / 4)
+    text = comparison_table(scratch, builtin)
+    assert "A: impl=scratch tp=1 pp=1" in text and "B: impl=builtin tp=1 pp=1" in text and "1.25x" in text
+    fig = figure(scratch + builtin, "scratch against built-in")
+    labels = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+    assert any("impl=scratch" in label for label in labels) and any("impl=builtin" in label for label in labels)
+    plotted = [list(line.get_ydata()) for line in fig.axes[1].get_lines()[:2]]  # then the 100 % line
+    assert plotted == [[100 * row["efficiency"] for row in curve] for curve in (scratch, builtin)]
+
+
+def test_a_selection_names_one_layout_or_says_which_exist(two_implementations):
+    rows = scaling_rows(read_runs(two_implementations))
+    with pytest.raises(ValueError, match="selects no layout: pick one of: impl=builtin tp=1 pp=1; impl=scratch"):
+        select(rows, "impl=other")
+    with pytest.raises(ValueError, match="selects 2 layouts"):
+        select(rows, "tp=1")
+
+
+def test_command_line_compares_two_layouts(two_implementations):
+    result = run_report(two_implementations, "--compare", "impl=scratch", "impl=builtin")
+    assert result.returncode == 0, result.stderr
+    assert "B / A" in result.stdout and "1.25x" in result.stdout
+    assert (two_implementations / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = run_report(two_implementations, "--compare", "impl=scratch", "tp=9")
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0 and "--compare: 'tp=9'" in result.stderr

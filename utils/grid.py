@@ -79,3 +79,57 @@ def output_not_a_view(stage: nn.Module):
     stage.register_forward_hook(
         lambda module, args, output: output.clone() if output._base is not None else output, prepend=True
     )
+
+
+class SavedActivations:
+    """Bytes that autograd keeps for backward while the block runs, counted with saved_tensors_hooks.
+
+        with SavedActivations() as saved:
+            loss = model(tokens)...
+        saved.bytes      # the memory the saved tensors reach, each byte once
+
+    What counts: every tensor an operation saves for its backward (its own, or a view of another), except the
+    parameters and views of them (model state, counted by utils/memory.py). A saved tensor reaches a byte range
+    of its storage (offset to its last element); ranges of one storage are merged, so views that share memory
+    (the heads are views of a projection's output; a micro-batch is a slice of the batch) count once, and a slice
+    counts only the bytes it reaches, not its whole batch. A DTensor counts its local shard. The storages are
+    kept alive until the block ends, so that no freed address is reused and counted twice."""
+
+    def __init__(self):
+        self.ranges: dict[int, list[tuple[int, int]]] = {}  # storage address -> byte ranges saved in it
+        self.storages = []  # keeps every storage seen alive until the block ends
+
+    def _pack(self, tensor):
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        base = tensor._base if tensor._base is not None else tensor
+        if not isinstance(base, nn.Parameter) and not isinstance(tensor, nn.Parameter) and local.numel():
+            storage = local.untyped_storage()
+            self.storages.append(storage)
+            start = local.storage_offset() * local.element_size()
+            reach = sum((size - 1) * stride for size, stride in zip(local.shape, local.stride())) + 1
+            self.ranges.setdefault(storage.data_ptr(), []).append((start, start + reach * local.element_size()))
+        return tensor
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self.storages.clear()
+
+    @property
+    def bytes(self) -> int:
+        total = 0
+        for ranges in self.ranges.values():
+            end = 0
+            for start, stop in sorted(ranges):  # the union of the ranges: overlaps once
+                total += max(0, stop - max(start, end))
+                end = max(end, stop)
+        return total
+
+
+def local_numel(module: nn.Module) -> int:
+    """The parameters this rank holds: a DTensor's local shard, a hand-written TP shard, or a whole tensor."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())

@@ -2,6 +2,7 @@
 
     python -m utils.report RUNS_DIR                # a table, and RUNS_DIR/scaling.png
     python -m utils.report RUNS_DIR --out fig.png --title "lesson 06 on 2 nodes x 4 GPUs"
+    python -m utils.report RUNS_DIR --compare impl=scratch impl=builtin     # two curves, one table, one figure
 
 Each metrics file is the JSON every lesson script writes with --metrics-out (utils/metrics.py): world_size,
 tokens_per_s (all ranks together), hosts, and the layout that produced it, either as a "layout" object or as
@@ -9,6 +10,9 @@ top-level fields (tp, pp, impl, schedule, ...). Runs with the same layout fields
 of the name, because it is what grows with the GPUs. Repeated runs of one layout and world size count by their
 median. Speed-up and efficiency are against the smallest world size of the same layout:
     speed-up(n) = tokens/s(n) / tokens/s(n0)        efficiency(n) = speed-up(n) / (n / n0)
+--compare A B puts two curves side by side (two layouts, or two implementations of one): A and B each select the
+one layout whose name holds all their key=value words ("impl=scratch", "tp=2 pp=2"); the table gives, at every
+world size both ran, each one's tokens/s and efficiency and B's throughput over A's.
 """
 
 import argparse
@@ -34,7 +38,9 @@ def read_runs(folder) -> list[dict]:
 
 
 def layout_name(record: dict) -> str:
-    fields = record.get("layout") if isinstance(record.get("layout"), dict) else record
+    """The record's layout fields, from its "layout" object and its top level (lesson 06 keeps the grid in "layout"
+    and the implementation, schedule and micro-batches beside it)."""
+    fields = {**record, **record["layout"]} if isinstance(record.get("layout"), dict) else record
     return " ".join(f"{key}={fields[key]}" for key in LAYOUT_KEYS if key in fields) or "all runs"
 
 
@@ -75,6 +81,50 @@ def table(rows: list[dict]) -> str:
         counts = f"{row['gpus']:>5} {row['nodes']:>5} {row['runs']:>4}"
         speeds = f"{row['tokens_per_s']:>12,.0f} {row['speedup']:>7.2f}x {row['efficiency']:>10.0%}"
         lines.append(f"{row['layout']:<{width}} {counts} {speeds}")
+    return "\n".join(lines)
+
+
+def select(rows: list[dict], words: str) -> list[dict]:
+    """The rows of the one layout whose name holds every key=value word of `words`; ValueError naming the layouts
+    when none or several do."""
+    wanted = words.split()
+    names = sorted({row["layout"] for row in rows if all(word in row["layout"].split() for word in wanted)})
+    if len(names) != 1:
+        found = "no layout" if not names else f"{len(names)} layouts ({'; '.join(names)})"
+        every = "; ".join(sorted({row["layout"] for row in rows}))
+        raise ValueError(f"{words!r} selects {found}: pick one of: {every}")
+    return [row for row in rows if row["layout"] == names[0]]
+
+
+def comparison_rows(first: list[dict], second: list[dict]) -> list[dict]:
+    """At every world size both curves have: each one's tokens/s and efficiency, and the second's throughput over
+    the first's."""
+    by_gpus = {row["gpus"]: row for row in second}
+    return [
+        {
+            "gpus": row["gpus"],
+            "first": row["tokens_per_s"],
+            "second": by_gpus[row["gpus"]]["tokens_per_s"],
+            "ratio": by_gpus[row["gpus"]]["tokens_per_s"] / row["tokens_per_s"],
+            "first_efficiency": row["efficiency"],
+            "second_efficiency": by_gpus[row["gpus"]]["efficiency"],
+        }
+        for row in first
+        if row["gpus"] in by_gpus
+    ]
+
+
+def comparison_table(first: list[dict], second: list[dict]) -> str:
+    names = first[0]["layout"], second[0]["layout"]
+    lines = [f"A: {names[0]}", f"B: {names[1]}"]
+    lines.append(f"{'GPUs':>5} {'A tokens/s':>12} {'B tokens/s':>12} {'B / A':>6} {'A eff.':>7} {'B eff.':>7}")
+    for row in comparison_rows(first, second):
+        lines.append(
+            f"{row['gpus']:>5} {row['first']:>12,.0f} {row['second']:>12,.0f} {row['ratio']:>5.2f}x "
+            f"{row['first_efficiency']:>7.0%} {row['second_efficiency']:>7.0%}"
+        )
+    if len(lines) == 3:
+        lines.append("(no world size that both A and B ran)")
     return "\n".join(lines)
 
 
@@ -120,6 +170,9 @@ def main(argv=None):
     parser.add_argument("runs_dir", help="folder of metrics JSON files (searched at any depth)")
     parser.add_argument("--out", help="where to save the figure (default RUNS_DIR/scaling.png)")
     parser.add_argument("--title", help="the figure's title: say which machine the runs come from")
+    parser.add_argument(
+        "--compare", nargs=2, metavar=("A", "B"), help="two layouts to put side by side, e.g. impl=scratch impl=builtin"
+    )
     args = parser.parse_args(argv)
     folder = Path(args.runs_dir)
     if not folder.is_dir():
@@ -128,8 +181,16 @@ def main(argv=None):
     if not runs:
         sys.exit(f"no metrics files in {folder}: run the scripts with --metrics-out {folder}/NAME.json first")
     rows = scaling_rows(runs)
-    print(table(rows))
-    out = Path(args.out) if args.out else folder / "scaling.png"
+    if args.compare:
+        try:
+            first, second = (select(rows, words) for words in args.compare)
+        except ValueError as error:
+            sys.exit(f"--compare: {error}")
+        rows = first + second
+        print(comparison_table(first, second))
+    else:
+        print(table(rows))
+    out = Path(args.out) if args.out else folder / ("comparison.png" if args.compare else "scaling.png")
     fig = figure(rows, args.title or f"Scaling of {len(runs)} runs in {folder.name}")
     fig.savefig(out, dpi=120)
     print(f"figure: {out}")
