@@ -3,7 +3,7 @@ with the world size and the nodes it says, and the job's report renders that fol
 
 Like tests/test_slurm.py: skipped without a cluster (failed in CI, where `bash tests/slurm_cluster/start.sh` starts
 the local two-node one), at CPU size (NPROC_PER_NODE=2: 1 and 2 processes on one node, then 2 x 2 on both).
-tests/test_slurm.py also runs this file as it runs every sbatch file (its summary metrics: the whole allocation).
+tests/test_slurm.py checks its idiom as it checks every sbatch file's; this test is the one that runs it.
 """
 
 import json

@@ -34,6 +34,8 @@ from tests.slurm_helpers import (
 pytestmark = pytest.mark.slurm
 
 SBATCH_FILES = sorted((ROOT / "slurm").glob("*.sbatch"))
+# A sweep runs its lesson several times and reports on the folder: tests/test_06_sweep.py runs it and checks that.
+LESSON_JOBS = [f for f in SBATCH_FILES if not f.stem.endswith("_sweep")]
 NPROC_PER_NODE = 2
 STEPS = 2
 IN_CI = os.environ.get("CI") == "true"
@@ -74,7 +76,7 @@ def lesson_jobs(cluster, workdir, target, request):
         if getattr(item, "originalname", None) == "test_sbatch_file_runs_on_slurm" and hasattr(item, "callspec")
     }
     jobs = {}
-    for sbatch_file in [f for f in SBATCH_FILES if f in selected]:
+    for sbatch_file in [f for f in LESSON_JOBS if f in selected]:
         metrics = workdir / f"{sbatch_file.stem}.json"
         args = [target, "--steps", STEPS, "--metrics-out", metrics]
         try:
@@ -121,7 +123,7 @@ def test_sbatch_follows_the_course_idiom(sbatch_file):
     assert not hard_coded, f"{sbatch_file.name} hard-codes {hard_coded}: site values belong in slurm/site.sh"
 
 
-@pytest.mark.parametrize("sbatch_file", SBATCH_FILES, ids=[f.name for f in SBATCH_FILES])
+@pytest.mark.parametrize("sbatch_file", LESSON_JOBS, ids=[f.name for f in LESSON_JOBS])
 def test_sbatch_file_runs_on_slurm(sbatch_file, lesson_jobs, workdir):
     job, metrics_path = lesson_jobs[sbatch_file.name]
     if isinstance(job, SlurmError):
