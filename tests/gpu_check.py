@@ -52,6 +52,7 @@ class Check:
     rtol: float = FP32_RTOL
     logs: bool = True  # the script takes --log-dir (every training script; lesson 01 has no logs)
     min_gpus: int = 1
+    cpu_args: list | None = None  # the CPU reference's arguments, where the GPU path has no CPU counterpart
 
 
 CHECKS = [
@@ -82,9 +83,17 @@ CHECKS = [
       for bits in (2, 4, 8, 16, 32)),
     Check("08", "checkpoints", [*SMALL, "--checkpoint-every", "2"]),
     Check("08", "async checkpoints", [*SMALL, "--checkpoint-every", "2", "--async-save"]),
+    # Lesson 09: the ring and the experts at world size = the GPUs. torch's context_parallel runs only on a GPU (it
+    # dispatches fused attention kernels): its CPU reference is the ring from scratch.
+    *(Check("09", f"CP ring, {split}", [*SMALL, "--parallel", "cp", "--cp-split", split])
+      for split in ("contiguous", "zigzag")),
+    Check("09", "CP built-in", [*SMALL, "--parallel", "cp", "--impl", "builtin"],
+          cpu_args=[*SMALL, "--parallel", "cp", "--impl", "scratch"]),
+    *(Check("09", f"EP {impl}", [*SMALL, "--parallel", "ep", "--impl", impl, "--experts", "8"])
+      for impl in ("scratch", "builtin")),
 ]  # fmt: skip
 QUICK = {"baseline", "collectives and ring", "DDP built-in", "fsdp", "DTensor TP + SP", "scratch 1f1b", "none",
-         "checkpoints"}  # fmt: skip
+         "checkpoints", "CP ring, zigzag", "EP scratch"}  # fmt: skip
 
 # Peak dense bf16 FLOP/s from the vendors' data sheets (without sparsity), by a substring of the device name.
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -134,7 +143,8 @@ def check_one(check: Check, gpus: int, tmp: Path) -> list[str]:
     checked = re.findall(r"\[rank (\d+)\] device check: (\d+) collective calls", gpu.output)
     if len(checked) != gpus:
         problems.append(f"{len(checked)} of {gpus} ranks reported their collectives' device check")
-    cpu = launch(check, gpus, folder / "cpu", course_env(CUDA_VISIBLE_DEVICES=""))
+    reference = check if check.cpu_args is None else Check(check.lesson, check.label, check.cpu_args, check.rtol)
+    cpu = launch(reference, gpus, folder / "cpu", course_env(CUDA_VISIBLE_DEVICES=""))
     if cpu.returncode != 0 or cpu.metrics is None:
         return problems + [f"the CPU run failed (exit {cpu.returncode}):\n{cpu.tail(25)}"]
     gpu_losses, cpu_losses = gpu.metrics.get("losses"), cpu.metrics.get("losses")
