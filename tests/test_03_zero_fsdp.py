@@ -754,6 +754,8 @@ def test_strategy_all_trains_each_strategy_in_turn(run):
         record = run.strategy("two", name, TODO[name])
         assert (record["strategy"], record["stage"]) == (name, STAGE[name]), (name, record["strategy"])
         assert record["weights"].exists() and len(record["losses"]) == 4, f"{name}: no weights or not 4 steps"
+        times = record["step_times_s"]  # the notebook's table of time per step
+        assert len(times) == 4 and all(t > 0 for t in times), f"{name}: step times {times}"
 
 
 def test_bucket_cap_mb_cuts_zero2s_gradients_into_buckets(run):
