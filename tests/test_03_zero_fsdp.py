@@ -541,6 +541,60 @@ def test_hsdp_groups(run):
 
 
 # ------------------------------------------------------------------------------------------------
+# FSDP2's prefetching: utils/zero_prefetch.py, the worker whose timeline the notebook draws
+# ------------------------------------------------------------------------------------------------
+
+PREFETCHES = {"none": (False, False), "default": (False, True), "explicit": (True, True)}  # (forward, backward)
+
+
+@pytest.fixture(scope="module")
+def prefetch(tmp_path_factory):
+    result = torchrun(ROOT / "utils" / "zero_prefetch.py", 2, tmp_path=tmp_path_factory.mktemp("prefetch"), timeout=180)
+    assert result.returncode == 0 and result.metrics, result.tail()
+    return result.metrics
+
+
+def spans(rows) -> dict:
+    """{(unit, kind): (start, end)}, failing if a unit has a kind twice or a block misses one."""
+    found = {}
+    for unit, kind, start, end in rows:
+        assert (unit, kind) not in found, f"{unit} has two {kind} spans in one step"
+        assert start <= end, (unit, kind, start, end)
+        found[unit, kind] = (start, end)
+    for i in range(CONFIG.n_layers):
+        for kind in ("forward gather", "forward", "backward gather", "backward", "reduce-scatter"):
+            assert (f"blocks.{i}", kind) in found, f"blocks.{i}: no {kind} in the timeline"
+    return found
+
+
+@pytest.mark.parametrize("mode", PREFETCHES)
+def test_fsdp2_prefetching_issues_the_next_blocks_gather_before_this_blocks_compute_ends(prefetch, mode):
+    """The notebook's claim, on every rank: with explicit prefetching block i+1's all-gather is issued before block
+    i's forward ends (backward: block i-1's before block i's backward ends); without, each starts only after. FSDP2
+    prefetches in backward by default. Every block's compute starts after its own all-gather returned."""
+    forward, backward = PREFETCHES[mode]
+    assert prefetch["world_size"] == 2 and len(prefetch["timelines"][mode]) == 2
+    for rank, rows in enumerate(prefetch["timelines"][mode]):
+        at = spans(rows)
+        for i in range(CONFIG.n_layers):
+            block = f"blocks.{i}"
+            for kind in ("forward", "backward"):
+                assert at[block, f"{kind} gather"][1] <= at[block, kind][0], f"{mode}, rank {rank}: {block} {kind}"
+        for i in range(CONFIG.n_layers - 1):
+            issued, ends = at[f"blocks.{i + 1}", "forward gather"][0], at[f"blocks.{i}", "forward"][1]
+            assert (issued < ends) == forward, (
+                f"{mode}, rank {rank}: blocks.{i + 1}'s all-gather issued at {issued:.3f} ms, blocks.{i}'s forward "
+                f"ends at {ends:.3f} ms: {'expected before' if forward else 'expected after'}"
+            )
+        for i in range(CONFIG.n_layers - 1, 0, -1):
+            issued, ends = at[f"blocks.{i - 1}", "backward gather"][0], at[f"blocks.{i}", "backward"][1]
+            assert (issued < ends) == backward, (
+                f"{mode}, rank {rank}: blocks.{i - 1}'s backward all-gather issued at {issued:.3f} ms, blocks.{i}'s "
+                f"backward ends at {ends:.3f} ms: {'expected before' if backward else 'expected after'}"
+            )
+
+
+# ------------------------------------------------------------------------------------------------
 # AdamW and bf16
 # ------------------------------------------------------------------------------------------------
 
@@ -700,6 +754,8 @@ def test_strategy_all_trains_each_strategy_in_turn(run):
         record = run.strategy("two", name, TODO[name])
         assert (record["strategy"], record["stage"]) == (name, STAGE[name]), (name, record["strategy"])
         assert record["weights"].exists() and len(record["losses"]) == 4, f"{name}: no weights or not 4 steps"
+        times = record["step_times_s"]  # the notebook's table of time per step
+        assert len(times) == 4 and all(t > 0 for t in times), f"{name}: step times {times}"
 
 
 def test_bucket_cap_mb_cuts_zero2s_gradients_into_buckets(run):

@@ -5,6 +5,7 @@ recognises the lesson's classes by what they hold (`optimizer.flats`: ZeroOptimi
 Zero3's gathered units), so a learner's exercise is measured exactly like the solution.
 """
 
+import time
 from contextlib import contextmanager, nullcontext
 from functools import partial
 
@@ -217,11 +218,16 @@ class FirstStep:
         with probe.measuring(step == first):           # activations, FSDP2's own collectives, ZeRO-3's timeline
             loss = ...; probe.after_forward(loss); loss.backward(); probe.after_backward()
         optimizer.step(); probe.after_step()           # the hand-written collectives' bytes of one step
+
+    Every step's time, from entering `measuring` to the end of `after_step` (forward, backward, optimizer step and
+    their communication; not the data loading, the logging or the loss's averaging), goes into
+    record["step_times_s"]. The first step also pays for the measuring and for one-off set-up work.
     """
 
     def __init__(self, model, wire: dict):
         self.wire, self.active = wire, False
         self.gradient_peak = GradientPeak(model.parameters())
+        self.step_started = None
 
     def wrapped(self, model, optimizer, mesh, record: dict):
         self.model, self.optimizer, self.mesh, self.record = model, optimizer, mesh, record
@@ -235,6 +241,7 @@ class FirstStep:
 
     @contextmanager
     def measuring(self, active: bool):
+        self.step_started = _clock()
         self.active = active
         if not active:
             yield
@@ -267,9 +274,18 @@ class FirstStep:
                 self.record["gather_timeline"], self.model.timeline = self.model.timeline, None
 
     def after_step(self):
+        if self.step_started is not None:
+            self.record.setdefault("step_times_s", []).append(_clock() - self.step_started)
+            self.step_started = None
         if self.active:
             self.record["wire_bytes_per_step"] = dict(self.wire)
             self.active = False
+
+
+def _clock() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
+    return time.perf_counter()
 
 
 def finish_record(record: dict, model, optimizer, estimate: dict, counted: bool, device):
