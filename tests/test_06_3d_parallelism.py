@@ -337,7 +337,7 @@ def test_todo6_scratch_3d_matches_lesson_00(run, baseline, needs, script, lesson
 
 @pytest.mark.parametrize("name", BUILTIN)
 def test_todo7_builtin_3d_matches_lesson_00(run, baseline, needs, name):
-    needs(1)
+    needs(1, 4)  # the built-in path reads each replica's share with replica_batch (TODO 4) too
     metrics = check_parity(7, name, run, baseline)
     layout = metrics["layout"]
     stages = metrics["partition"]

@@ -33,7 +33,8 @@ order tp, cp, dp, pp (innermost first; cp x dp x tp x pp = GPUs):
   dp x cp / ep ranks that hold the same experts.
 What it leaves out: embeddings counted as spread evenly over the stages, interleaved schedules, memory
 fragmentation and workspace, the MoE capacity factor and load imbalance (tokens spread evenly over the experts),
-grouped-query attention (K/V as wide as Q), communication that overlaps better than stated below.
+grouped-query attention (K/V as wide as Q), the MLP's activations at any other width than 4 x hidden (--ffn-hidden
+sets the experts' parameters and FLOPs, not their activations), communication that overlaps better than stated below.
 """
 
 import argparse

@@ -137,7 +137,7 @@ def figure(rows: list[dict], title: str):
     import matplotlib.pyplot as plt
 
     with plt.rc_context({"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 10}):
-        fig, (speed_ax, efficiency_ax) = plt.subplots(1, 2, figsize=(11, 4.5), constrained_layout=True)
+        fig, (speed_ax, efficiency_ax) = plt.subplots(1, 2, figsize=(11, 5.5), constrained_layout=True)
         for name in dict.fromkeys(row["layout"] for row in rows):
             mine = [row for row in rows if row["layout"] == name]
             gpus = [row["gpus"] for row in mine]
@@ -159,8 +159,8 @@ def figure(rows: list[dict], title: str):
         efficiency_ax.set_ylim(0, max(110, 5 + max(100 * row["efficiency"] for row in rows)))
         efficiency_ax.set_ylabel("scaling efficiency (%)")
         efficiency_ax.set_title("Efficiency = speed-up / (GPUs / smallest GPUs)")
-        speed_ax.legend()
-        efficiency_ax.legend()
+        for ax in (speed_ax, efficiency_ax):  # below the axes: long layout names would hide curves and labels
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
         fig.suptitle(title)
     return fig
 
