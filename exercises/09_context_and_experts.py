@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from utils.context_parallel import attention_memory, gather, ring_measurements
+from utils.context_parallel import Ring, attention_memory, gather, ring_measurements
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
@@ -109,57 +109,13 @@ def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
     raise NotImplementedError("TODO 3: merging a block into the running output")
 
 
-class Ring:
-    """This rank's place in the ring and its point-to-point exchange, which also counts what it sends.
-
-    start(tensor, send_to, receive_from) posts an isend of `tensor` and an irecv of a tensor like it, and returns
-    at once; .wait() on what it returns gives the received tensor. The tests put a stand-in with the same methods
-    in its place, to run N ranks in one process."""
-
-    def __init__(self, rank: int, size: int, group=None):
-        self.rank, self.size, self.group = rank, size, group
-        self.sent = {"forward": 0, "backward": 0}  # bytes this rank sent, by pass
-        self.pairs = {"forward": 0, "backward": 0}  # (query piece, key piece) blocks computed
-        self.scores = {"forward": 0, "backward": 0}  # query-key scores computed in those blocks
-        self.busy_s = self.waited_s = 0.0  # seconds in ring attention, of which waiting for a neighbour
-        self.phase = "forward"
-
-    def start(self, tensor: torch.Tensor, send_to: int, receive_from: int) -> "Pending":
-        tensor = tensor.contiguous()
-        if send_to == receive_from == self.rank:  # a ring of one passes the block to itself
-            return Pending(self, [], tensor)
-        received = torch.empty_like(tensor)
-        works = [
-            dist.isend(tensor, dist.get_global_rank(self.group, send_to) if self.group else send_to, self.group),
-            dist.irecv(received, dist.get_global_rank(self.group, receive_from) if self.group else receive_from,
-                       self.group),
-        ]  # fmt: skip
-        self.sent[self.phase] += tensor.numel() * tensor.element_size()
-        return Pending(self, works, received)
-
-    def count(self, queries: int, keys: int):
-        """Record one computed block of `queries` x `keys` (per sequence and head): the work per rank."""
-        self.pairs[self.phase] += 1
-        self.scores[self.phase] += queries * keys
-
-
-class Pending:
-    def __init__(self, ring: Ring, works, received: torch.Tensor):
-        self.ring, self.works, self.received = ring, works, received
-
-    def wait(self) -> torch.Tensor:
-        started = time.perf_counter()
-        for work in self.works:
-            work.wait()
-        self.ring.waited_s += time.perf_counter() - started
-        return self.received
-
-
 def ring_attention_forward(q, k, v, positions, all_positions, ring: Ring):
     """Causal attention of this rank's queries q [B, H, n, d] on the whole sequence's keys and values, which the
     ranks hold in pieces: k, v are this rank's, all_positions[s] the places of rank s's tokens (positions is
     all_positions[ring.rank]). Returns (out [B, H, n, d], lse [B, H, n]), as one process's attention would give
-    for these queries."""
+    for these queries. `ring` (utils/context_parallel.py): ring.rank, ring.size; ring.start(tensor, send_to,
+    receive_from) posts an isend/irecv pair and returns at once, .wait() on its result gives the received tensor;
+    ring.count(queries, keys) records a computed block (the work per rank in the metrics)."""
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     kv = torch.stack([k, v])  # one message a hop: keys and values travel together
@@ -382,9 +338,10 @@ def context_summary(positions: torch.Tensor) -> str:
 
 def measure_ring(ring: Ring, args, rank: int, world_size: int, device: torch.device) -> dict:
     """The metrics of the ring (utils/context_parallel.py): work, bytes and time per rank during training, then
-    the bytes one attention layer saves for backward at 1, 2 and 4 times --seq-len (a fresh ring, same split)."""
+    the bytes one attention layer saves for backward for one sequence of 1, 2 and 4 times --seq-len (a fresh ring,
+    the same split)."""
     measured = ring_measurements(ring, args.steps, args.n_layers)
-    shape = (args.batch_size, args.n_heads, args.dim // args.n_heads)
+    shape = (1, args.n_heads, args.dim // args.n_heads)  # one sequence: the bytes grow with the batch
     seq_lens = [args.seq_len * m for m in (1, 2, 4)]
     fresh = Ring(rank, world_size)
     return measured | attention_memory(RingAttention.apply, chunk_positions, fresh, args.cp_split, seq_lens, shape,

@@ -35,7 +35,7 @@ COMMON = [
 RUNS_SPLITS = ("contiguous", "zigzag")
 RUNS = {f"{n}_{split}": (n, split) for n in (2, 4) for split in RUNS_SPLITS}
 ENV = course_env(PYTHONPATH=ROOT)  # `import utils` also for a script in another folder (--target-dir)
-WAIT_S = 5  # a simulated rank that waits longer than this for a block will never get it
+WAIT_S = 15  # a simulated rank that waits longer than this for a block will never get it
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +120,7 @@ class FakeRing:
     def __init__(self, rank: int, mailbox: Mailbox):
         self.rank, self.size, self.mailbox = rank, mailbox.size, mailbox
         self.pairs = self.starts = self.sent = 0
+        self.busy_s, self.phase = 0.0, "forward"  # what RingAttention sets and adds to
         self.blocks_at_start, self.blocks_at_wait = [], []  # blocks computed so far when each exchange began/ended
         self.received_from = []
 
@@ -410,6 +411,35 @@ def test_todo5_ring_backward_equals_autograd_of_causal_sdpa(script):
     check_todo5(script)
 
 
+def test_todo5_ring_attention_function_trains_like_causal_sdpa(script, needs):
+    """The whole autograd Function (TODO 4's forward, TODO 5's backward) on 4 simulated ranks, through autograd:
+    each rank's output and its q, k, v gradients against F.scaled_dot_product_attention's on the whole sequence."""
+    needs(1, 2, 3, 4)
+    world_size, seq_len = 4, 16
+    q, k, v = (t.requires_grad_() for t in random_qkv(seq_len, seed=6))
+    want_out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    d_out = torch.randn(want_out.shape, generator=torch.Generator().manual_seed(7))
+    want = torch.autograd.grad(want_out, (q, k, v), d_out)
+    all_positions = [reference_positions(seq_len, r, world_size, "zigzag") for r in range(world_size)]
+
+    def work(rank, ring):
+        mine = all_positions[rank]
+        leaves = [t.detach()[..., mine, :].clone().requires_grad_() for t in (q, k, v)]
+        out = script.RingAttention.apply(*leaves, mine, all_positions, ring)
+        out.backward(d_out[..., mine, :])
+        return out.detach(), *(leaf.grad for leaf in leaves)
+
+    results, _ = run_ranks(5, world_size, work)
+    got_out = whole([r[0] for r in results], all_positions, seq_len)
+    assert torch.allclose(got_out, want_out, atol=1e-5), "TODO 5: RingAttention's output differs from causal SDPA"
+    for name, index, reference in zip(("queries", "keys", "values"), (1, 2, 3), want):
+        got = whole([r[index] for r in results], all_positions, seq_len)
+        assert torch.allclose(got, reference, atol=1e-5), (
+            f"TODO 5: through RingAttention, the gradient of the {name} differs from causal SDPA's by "
+            f"{(got - reference).abs().max():.2e}"
+        )
+
+
 def test_refused_sequence_lengths(script):
     for seq_len, world_size, split, words in [
         (32, 3, "contiguous", "use --seq-len 33 (a multiple of 3)"),
@@ -532,10 +562,11 @@ def test_todo5_attention_saves_one_nth_of_one_process_per_rank(run, needs):
     sequence length (linear in T: no T x T score matrix is kept)."""
     needs(1, 2, 3, 4)
     args = dict(zip(COMMON[::2], COMMON[1::2]))
-    batch, heads, dim = int(args["--batch-size"]), int(args["--n-heads"]), int(args["--dim"])
+    heads, dim = int(args["--n-heads"]), int(args["--dim"])
     for name in RUNS:
         metrics = finished(run(name)[0], 5)
-        n = metrics["world_size"]
+        n, batch = metrics["world_size"], metrics["attention_shape"][0]
+        assert metrics["attention_shape"][1:] == [heads, dim // heads], metrics["attention_shape"]
         for at, seq_len in enumerate(metrics["attention_seq_lens"]):
             formula = 4 * (4 * batch * seq_len // n * dim + batch * heads * seq_len // n)
             per_rank = [measured[at] for measured in metrics["attention_saved_bytes_per_rank"]]
