@@ -15,63 +15,390 @@ Every rank keeps a full copy of the parameters it does not split, so their gradi
     torchrun --nproc_per_node=4 solutions/09_context_and_experts.py --parallel ep --experts 4 --top-k 2
 """
 
+import itertools
+import math
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
-from utils.training import base_parser, parse_args
+from utils.context_parallel import Ring, attention_memory, gather, ring_measurements
+from utils.data import load_token_dataset
+from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.metrics import param_checksum, state_bytes, write_metrics
+from utils.model import build_model, count_parameters, loss_fn
+from utils.training import (
+    Logger,
+    Throughput,
+    base_parser,
+    build_optimizer,
+    check_batches,
+    model_config,
+    parse_args,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Part 1: context parallelism. TODOs 1-5.
 # --------------------------------------------------------------------------------------------------
+#
+# N ranks split every sequence of the batch into pieces: each rank embeds, projects and predicts its own tokens
+# only (the MLP, the norms and the head work token by token). Attention is the one place where a token needs the
+# others: rank r's queries must see every earlier key and value. Ring attention passes the keys and values around
+# a ring of ranks, N - 1 hops, while each rank folds every block it receives into its queries' running softmax.
 
 
-def split_sequence(x: torch.Tensor, rank: int, world_size: int, split: str) -> torch.Tensor:
-    # TODO 1: placeholder (context parallelism).
+def chunk_positions(seq_len: int, rank: int, world_size: int, split: str) -> torch.Tensor:
+    """The places in the sequence (0 .. seq_len - 1) of the tokens rank `rank` holds, in increasing order."""
+    # TODO 1: the split of the sequence. "contiguous": cut 0 .. seq_len - 1 into world_size equal chunks and keep
+    #   chunk `rank`. "zigzag": cut it into 2 x world_size equal chunks and keep chunks `rank` and
+    #   2 x world_size - 1 - rank (one from the start, its mirror from the end: under the causal mask, the later
+    #   the chunk, the more keys its queries see, so each rank gets one cheap and one expensive chunk).
     # BEGIN SOLUTION
-    raise NotImplementedError
+    if split == "contiguous":
+        size = seq_len // world_size
+        return torch.arange(rank * size, (rank + 1) * size)
+    size = seq_len // (2 * world_size)
+    mirror = 2 * world_size - 1 - rank
+    return torch.cat([torch.arange(rank * size, (rank + 1) * size), torch.arange(mirror * size, (mirror + 1) * size)])
     # END SOLUTION
 
 
-def todo_2():
-    # TODO 2: placeholder (context parallelism).
+def check_context_split(seq_len: int, world_size: int, split: str):
+    """Refuse a sequence that does not cut into equal chunks, in one line, before any rank waits for another."""
+    pieces = world_size if split == "contiguous" else 2 * world_size
+    if seq_len % pieces:
+        fix = seq_len + pieces - seq_len % pieces
+        per_rank = "1 chunk" if split == "contiguous" else "2 chunks"
+        raise CourseError(
+            f"--seq-len {seq_len} does not cut into {pieces} equal chunks (--cp-split {split}: {per_rank} per rank, "
+            f"{world_size} ranks): use --seq-len {fix} (a multiple of {pieces}), or another number of ranks"
+        )
+
+
+def pieces(positions: torch.Tensor) -> list[slice]:
+    """A rank's tokens as two pieces (its two chunks with zigzag, the two halves of its chunk when contiguous), as
+    slices of `positions`: the unit of attention's work. A block of one piece's queries against a piece of keys is
+    either entirely in the past (computed whole), on the diagonal (computed with the causal mask) or entirely in
+    the future (skipped); pieces of equal size make the work of both splits comparable."""
+    half = len(positions) // 2
+    return [piece for piece in (slice(0, half), slice(half, len(positions))) if piece.stop > piece.start]
+
+
+def block_attention(q, k, v, q_positions, k_positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of queries q [..., n, d] on ONE block of keys and values k, v [..., m, d]: the block's
+    output [..., n, d] (softmax over this block's keys only) and its log-sum-exp [..., n] (what the softmax
+    divided by, as a log), which is all the next blocks need to correct it."""
+    # TODO 2: one block's attention with its log-sum-exp. Scores q @ k^T / sqrt(d); a key is hidden from a query
+    #   when it comes later in the sequence: compare GLOBAL positions (k_positions > q_positions, broadcast to
+    #   [n, m]), not the places inside this block, and fill those scores with -inf. lse = logsumexp of the scores
+    #   over the keys; the output is exp(scores - lse) @ v (the softmax, written with lse).
     # BEGIN SOLUTION
-    raise NotImplementedError
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    hidden = k_positions[None, :] > q_positions[:, None]
+    scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse[..., None]) @ v, lse
     # END SOLUTION
 
 
-def todo_3():
-    # TODO 3: placeholder (context parallelism).
+def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online softmax: fold one block's (output, log-sum-exp) into the running ones of the same queries.
+
+    out is a softmax-weighted mean over the keys seen so far, normalised by exp(lse); block_out the same over the
+    block's keys. Over both, the normaliser is exp(lse) + exp(block_lse), so each part is re-weighted by its share.
+    The running state starts at out = 0, lse = -inf (no keys yet)."""
+    # TODO 3: merging a block into the running output. new_lse = log(exp(lse) + exp(block_lse)), computed without
+    #   overflow (torch.logaddexp subtracts the running maximum for you); then
+    #   out = out * exp(lse - new_lse) + block_out * exp(block_lse - new_lse) (the shares, as [..., n, 1]).
+    #   Return (out, new_lse).
     # BEGIN SOLUTION
-    raise NotImplementedError
+    new_lse = torch.logaddexp(lse, block_lse)
+    out = out * torch.exp(lse - new_lse)[..., None] + block_out * torch.exp(block_lse - new_lse)[..., None]
+    return out, new_lse
     # END SOLUTION
 
 
-def todo_4():
-    # TODO 4: placeholder (context parallelism).
+def ring_attention_forward(q, k, v, positions, all_positions, ring: Ring):
+    """Causal attention of this rank's queries q [B, H, n, d] on the whole sequence's keys and values, which the
+    ranks hold in pieces: k, v are this rank's, all_positions[s] the places of rank s's tokens (positions is
+    all_positions[ring.rank]). Returns (out [B, H, n, d], lse [B, H, n]), as one process's attention would give
+    for these queries. `ring` (utils/context_parallel.py): ring.rank, ring.size; ring.start(tensor, send_to,
+    receive_from) posts an isend/irecv pair and returns at once, .wait() on its result gives the received tensor;
+    ring.count(queries, keys) records a computed block (the work per rank in the metrics)."""
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    kv = torch.stack([k, v])  # one message a hop: keys and values travel together
+    # TODO 4: the ring forward. For step in range(ring.size), this rank holds the block of rank
+    #   owner = (ring.rank - step) % ring.size (its own at step 0). Unless it is the last step, FIRST post the next
+    #   exchange, pending = ring.start(kv, send_to=next rank, receive_from=previous rank) (ring order: r sends to
+    #   r + 1 and receives from r - 1, modulo ring.size), so the transfer runs while this rank computes. Then, for
+    #   each query piece qs in pieces(positions) and key piece ks in pieces(all_positions[owner]): skip the pair when
+    #   its first key comes after its last query (entirely in the future: no work); else ring.count(its queries,
+    #   its keys), block_attention on the pieces, and merge the result into out[..., qs, :] and lse[..., qs].
+    #   Last, kv = pending.wait() (the next block) before the next step.
     # BEGIN SOLUTION
-    raise NotImplementedError
+    for step in range(ring.size):
+        owner = (ring.rank - step) % ring.size
+        if step < ring.size - 1:
+            pending = ring.start(kv, send_to=(ring.rank + 1) % ring.size, receive_from=(ring.rank - 1) % ring.size)
+        k_positions = all_positions[owner]
+        for qs in pieces(positions):
+            for ks in pieces(k_positions):
+                if k_positions[ks][0] > positions[qs][-1]:
+                    continue  # every key of this piece comes after every query: nothing to see
+                ring.count(qs.stop - qs.start, ks.stop - ks.start)
+                block = block_attention(
+                    q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], positions[qs], k_positions[ks]
+                )
+                out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], *block)
+        if step < ring.size - 1:
+            kv = pending.wait()
     # END SOLUTION
+    return out, lse
 
 
-def todo_5():
-    # TODO 5: placeholder (context parallelism).
+def block_attention_backward(q, k, v, out, d_out, lse, q_positions, k_positions):
+    """What one block contributes to the gradients of q, k and v, given the FINAL out and lse of the queries
+    (after every block was merged): exp(scores - lse) is then the block's share of the true softmax, and
+    delta = sum(d_out * out) is the softmax's correction term, the same for every block."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-2, -1) * scale).masked_fill(k_positions[None, :] > q_positions[:, None], float("-inf"))
+    probabilities = torch.exp(scores - lse[..., None])
+    d_v = probabilities.transpose(-2, -1) @ d_out
+    delta = (d_out * out).sum(dim=-1, keepdim=True)
+    d_scores = probabilities * (d_out @ v.transpose(-2, -1) - delta)
+    return d_scores @ k * scale, d_scores.transpose(-2, -1) @ q * scale, d_v
+
+
+def ring_attention_backward(d_out, q, k, v, out, lse, positions, all_positions, ring: Ring):
+    """The gradients of this rank's q, k, v, given d_out (the gradient of its output). The keys and values travel
+    the ring again, each block with the gradient it has collected so far (d_kv), until that gradient has visited
+    every rank and comes home to the block's owner."""
+    d_q = torch.zeros_like(q)
+    kv = torch.stack([k, v])
+    d_kv = torch.zeros_like(kv)  # the gradient of the block this rank holds now (not of its own block)
+    # TODO 5: the ring backward. The same steps as TODO 4's ring: post the next kv exchange first (unless last
+    #   step), and visit the same (query piece, key piece) pairs, skipping those in the future; for each,
+    #   ring.count(...) and block_attention_backward(q piece, k piece, v piece, out piece, d_out piece, lse piece,
+    #   positions piece, key positions piece) -> (d_q, d_k, d_v) pieces: ADD d_q into d_q[..., qs, :] (this rank's
+    #   queries), d_k and d_v into d_kv[0] and d_kv[1] at [..., ks, :] (the visiting block's). After the step's
+    #   blocks, kv = pending.wait() (unless last), then pass the block's gradient on along with it:
+    #   d_kv = ring.start(d_kv, same direction).wait(). After ring.size hops, d_kv is the gradient of this rank's
+    #   own keys and values, summed over every rank's queries.
     # BEGIN SOLUTION
-    raise NotImplementedError
+    for step in range(ring.size):
+        owner = (ring.rank - step) % ring.size
+        if step < ring.size - 1:
+            pending = ring.start(kv, send_to=(ring.rank + 1) % ring.size, receive_from=(ring.rank - 1) % ring.size)
+        k_positions = all_positions[owner]
+        for qs in pieces(positions):
+            for ks in pieces(k_positions):
+                if k_positions[ks][0] > positions[qs][-1]:
+                    continue
+                ring.count(qs.stop - qs.start, ks.stop - ks.start)
+                d_q_piece, d_k_piece, d_v_piece = block_attention_backward(
+                    q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], out[..., qs, :], d_out[..., qs, :],
+                    lse[..., qs], positions[qs], k_positions[ks],
+                )  # fmt: skip
+                d_q[..., qs, :] += d_q_piece
+                d_kv[0][..., ks, :] += d_k_piece
+                d_kv[1][..., ks, :] += d_v_piece
+        if step < ring.size - 1:
+            kv = pending.wait()
+        d_kv = ring.start(d_kv, send_to=(ring.rank + 1) % ring.size, receive_from=(ring.rank - 1) % ring.size).wait()
     # END SOLUTION
+    return d_q, d_kv[0], d_kv[1]
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention as one autograd operation. Forward is TODO 4's ring; it saves only this rank's q, k, v, out
+    and lse, and backward runs the ring again (TODO 5).
+
+    Why not let autograd differentiate the ring: it would keep every block's score matrix and every block
+    received from the other ranks (the whole sequence's keys and values, on every rank), which is the memory
+    context parallelism is there to split; and the gradients of a block belong to the rank that owns it, which
+    autograd on one process cannot send back."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, all_positions, ring):
+        ring.phase, started = "forward", time.perf_counter()
+        out, lse = ring_attention_forward(q, k, v, positions, all_positions, ring)
+        ring.busy_s += time.perf_counter() - started
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.positions, ctx.all_positions, ctx.ring = positions, all_positions, ring
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        ctx.ring.phase, started = "backward", time.perf_counter()
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = ring_attention_backward(
+            d_out.contiguous(), q, k, v, out, lse, ctx.positions, ctx.all_positions, ctx.ring
+        )
+        ctx.ring.busy_s += time.perf_counter() - started
+        return *grads, None, None, None
+
+
+class RingSelfAttention(nn.Module):
+    """The course model's attention layer (the same projection modules, so the same parameters and names) with
+    ring attention where it called F.scaled_dot_product_attention(is_causal=True)."""
+
+    def __init__(self, attention: nn.Module, positions, all_positions, ring: Ring):
+        super().__init__()
+        self.head_dim = attention.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj
+        )  # fmt: skip
+        self.positions, self.all_positions, self.ring = positions, all_positions, ring
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+
+        def heads(projection):  # [B, n, H*hd] -> [B, H, n, hd]
+            return projection.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        out = RingAttention.apply(q, k, v, self.positions, self.all_positions, self.ring)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+
+
+def average_cp_gradients(model: nn.Module):
+    """Every rank holds the whole model and the gradient of its own tokens' loss: average them, as in lesson 02.
+    (Each rank's loss is the mean over its B x T/N tokens, so the mean of the N losses is the global batch's.)"""
+    gradients = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in gradients])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+    for gradient, average in zip(gradients, flat.split([g.numel() for g in gradients])):
+        gradient.copy_(average.view_as(gradient))
+
+
+def builtin_context_parallel_step(model, inputs, targets, positions, mesh, split: str) -> torch.Tensor:
+    """The built-in (GPU only): inside context_parallel(mesh), each rank keeps its share of the buffers (sharded
+    in place along their sequence dimension) and every F.scaled_dot_product_attention becomes a ring attention over
+    the mesh. Its zigzag is "load balancing" (head-tail chunks); the keys and values rotate by all-to-all."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+
+    set_rotate_method("alltoall")  # pass the blocks around (the ring), rather than all-gather them at once
+    _cp_options.enable_load_balance = split == "zigzag"  # private switch (torch 2.11 to 2.13): contiguous otherwise
+    buffers = [inputs, targets, positions]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(buffers)):
+        loss = loss_fn(model(inputs, positions), targets)
+        loss.backward()
+    return loss
 
 
 def add_context_options(parser):
     """--cp-split and any other option of context parallelism only."""
+    parser.add_argument(
+        "--cp-split", choices=("contiguous", "zigzag"), default="zigzag",
+        help="how each sequence is cut over the ranks (zigzag balances the causal work)",
+    )  # fmt: skip
 
 
 def train_context_parallel(args, rank: int, world_size: int, device: torch.device):
-    raise CourseError("--parallel cp is not written yet")
+    if args.impl == "builtin" and device.type != "cuda":
+        raise CourseError(
+            "--impl builtin --parallel cp needs a GPU: torch's context_parallel runs only the fused attention "
+            "kernels (flash, efficient, cuDNN), which the CPU lacks (NotImplementedError); use --impl scratch"
+        )
+    check_context_split(args.seq_len, world_size, args.cp_split)
+    all_positions = [chunk_positions(args.seq_len, r, world_size, args.cp_split).to(device) for r in range(world_size)]
+    positions = all_positions[rank]
+    config = model_config(args)
+    model = build_model(config, seed=args.seed).to(device)
+    ring = Ring(rank, world_size)
+    if args.impl == "scratch":
+        for block in model.blocks:
+            block.attention = RingSelfAttention(block.attention, positions, all_positions, ring)
+    else:
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("cp",))
+    optimizer = build_optimizer(model.parameters(), args)
+    print0(
+        f"{world_size} ranks, each with {len(positions)} of every sequence's {args.seq_len} tokens (--cp-split "
+        f"{args.cp_split}: rank 0 holds places {context_summary(all_positions[0])}) | batch {args.batch_size} "
+        f"| --impl {args.impl} | model: {count_parameters(config):,} parameters | device {device.type}"
+    )
+
+    train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train), args)  # every rank reads the same sequences: the global batch is --batch-size
+    generator = torch.Generator().manual_seed(args.seed)  # lesson 00's order of batches
+    loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                                         generator=generator)  # fmt: skip
+    logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
+    losses = []
+    for step, (inputs, targets) in zip(
+        range(1, args.steps + 1), (batch for _ in itertools.count() for batch in loader)
+    ):
+        inputs, targets = inputs.to(device), targets.to(device)
+        optimizer.zero_grad(set_to_none=True)
+        if args.impl == "scratch":
+            loss = loss_fn(model(inputs[:, positions], positions), targets[:, positions])  # this rank's tokens
+            loss.backward()
+        else:
+            whole = torch.arange(args.seq_len, device=device)
+            loss = builtin_context_parallel_step(model, inputs, targets, whole, mesh, args.cp_split)
+        average_cp_gradients(model)
+        optimizer.step()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the mean over every token of the global batch
+        losses.append(loss.item())
+        throughput.step(inputs.numel())
+        logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)
+        if step % args.log_every == 0 or step == args.steps:
+            print0(f"step {step:4d}  loss {losses[-1]:.4f}")
+    logger.close()
+
+    if args.checkpoint:
+        save0({"model": model.state_dict(), "config": vars(config)}, args.checkpoint)
+        print0(f"saved the model to {args.checkpoint}")
+    measured = measure_ring(ring, args, rank, world_size, device) if args.impl == "scratch" else {}
+    held = gather(state_bytes(model, optimizer))
+    write_metrics(
+        args.metrics_out,
+        final_loss=losses[-1],
+        losses=losses,
+        steps=len(losses),
+        tokens_per_s=throughput.tokens_per_s,
+        param_checksum=param_checksum(model),
+        bytes_per_rank=held,
+        global_batch=args.batch_size,
+        seq_len=args.seq_len,
+        parallel=args.parallel,
+        impl=args.impl,
+        cp_split=args.cp_split,
+        optimizer=args.optimizer,
+        dataset=args.dataset,
+        positions=[p.tolist() for p in all_positions],
+        **measured,
+    )
+    print0(f"throughput: {throughput.tokens_per_s:,.0f} tokens/s on {world_size} x {device.type}")
+    print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
+
+
+def context_summary(positions: torch.Tensor) -> str:
+    """ "0-7, 56-63": the stretches of the sequence a rank holds, for the log."""
+    places = positions.tolist()
+    starts = [i for i in range(len(places)) if i == 0 or places[i] != places[i - 1] + 1]
+    return ", ".join(f"{places[s]}-{places[e - 1]}" for s, e in zip(starts, [*starts[1:], len(places)]))
+
+
+def measure_ring(ring: Ring, args, rank: int, world_size: int, device: torch.device) -> dict:
+    """The metrics of the ring (utils/context_parallel.py): work, bytes and time per rank during training, then
+    the bytes one attention layer saves for backward for one sequence of 1, 2 and 4 times --seq-len (a fresh ring,
+    the same split)."""
+    measured = ring_measurements(ring, args.steps, args.n_layers)
+    shape = (1, args.n_heads, args.dim // args.n_heads)  # one sequence: the bytes grow with the batch
+    seq_lens = [args.seq_len * m for m in (1, 2, 4)]
+    fresh = Ring(rank, world_size)
+    return measured | attention_memory(RingAttention.apply, chunk_positions, fresh, args.cp_split, seq_lens, shape,
+                                       device)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
