@@ -51,6 +51,22 @@ def build_expert(config: ModelConfig, seed: int, layer: int, expert: int) -> MLP
     return mlp
 
 
+def reference_routing(probs: torch.Tensor, k: int, capacity_factor: float) -> tuple[list[list[int]], dict]:
+    """probs [T, E] -> (each token's k experts, most probable first; {(token, i): expert} for the choices
+    within capacity), one token at a time: every token's first choice, then every token's second, ..."""
+    n_tokens, n_experts = probs.shape
+    choices = [probs[t].topk(k).indices.tolist() for t in range(n_tokens)]
+    capacity = math.ceil(capacity_factor * n_tokens * k / n_experts)
+    taken, kept = [0] * n_experts, {}
+    for i in range(k):
+        for t in range(n_tokens):
+            expert = choices[t][i]
+            if taken[expert] < capacity:
+                taken[expert] += 1
+                kept[t, i] = expert
+    return choices, kept
+
+
 class ReferenceMoE(nn.Module):
     """A block's MoE MLP on one process: the router, every expert, plain loops. The batch (dim 0) is cut into
     `groups` equal groups, each routed and capped on its own (one group per rank of the parallel run)."""
@@ -71,18 +87,9 @@ class ReferenceMoE(nn.Module):
         return torch.cat(outputs)
 
     def _group(self, tokens: torch.Tensor):
-        n_tokens, n_experts = tokens.shape[0], len(self.experts)
+        n_experts = len(self.experts)
         probs = F.softmax(self.router(tokens), dim=-1)
-        choices = [probs[t].topk(self.k).indices.tolist() for t in range(n_tokens)]
-        capacity = math.ceil(self.capacity_factor * n_tokens * self.k / n_experts)
-        taken = [0] * n_experts
-        kept = {}  # (token, rank of the choice) -> its expert, for the choices within capacity
-        for i in range(self.k):  # first choices of all tokens, then second choices, ...
-            for t in range(n_tokens):
-                expert = choices[t][i]
-                if taken[expert] < capacity:
-                    taken[expert] += 1
-                    kept[t, i] = expert
+        choices, kept = reference_routing(probs, self.k, self.capacity_factor)
         out = torch.zeros_like(tokens)
         for expert in range(n_experts):
             mine = [(t, i) for (t, i), e in kept.items() if e == expert]
@@ -94,7 +101,7 @@ class ReferenceMoE(nn.Module):
         fraction = torch.zeros(n_experts)
         for token_choices in choices:
             for expert in token_choices:
-                fraction[expert] += 1 / (n_tokens * self.k)
+                fraction[expert] += 1 / (len(choices) * self.k)
         return out, n_experts * (fraction * probs.mean(dim=0)).sum()
 
 
