@@ -144,11 +144,11 @@ def keep_within_capacity(experts: torch.Tensor, n_experts: int, capacity_factor:
     Each rank decides for its own T tokens before any communication, so an expert may receive up to N x capacity
     rows in all. The choices are served in priority order: every token's first choice, then every token's second
     choice, ...; tokens in order. A dropped choice adds nothing to its token (which keeps its residual stream)."""
-    # TODO 7: capacity: positions within each expert, drop and count. capacity = ceil(C x T x k / E) (math.ceil) for
-    #   this rank's T tokens. Read the choices in priority order, column by column (experts.t().flatten()); a
-    #   choice's position in its expert's queue is how many choices before it picked the same expert: one-hot
-    #   [T k, E] (F.one_hot), cumulative sum down the rows, minus 1, read at the choice's own expert (.gather).
-    #   Kept where position < capacity; bring the mask back to [T, k].
+    # TODO 7: the capacity: each choice's place in its expert's queue, and which fit. capacity = ceil(C x T x k / E)
+    #   (math.ceil) for this rank's T tokens. Read the choices in priority order, column by column
+    #   (experts.t().flatten()); a choice's position in its expert's queue is how many choices before it picked the
+    #   same expert: one-hot [T k, E] (F.one_hot), cumulative sum down the rows, minus 1, read at the choice's own
+    #   expert (.gather). Kept where position < capacity; bring the mask back to [T, k].
     # BEGIN SOLUTION
     n_tokens, k = experts.shape
     capacity = math.ceil(capacity_factor * n_tokens * k / n_experts)
@@ -297,7 +297,7 @@ class MoEMLP(nn.Module):
         self.aux_loss = routing.aux_loss
         self.chosen = torch.bincount(routing.experts.flatten(), minlength=self.n_experts)  # before the capacity
         self.kept = torch.bincount(routing.experts[kept], minlength=self.n_experts)  # after it
-        self.rows = (sum(plan.send_splits), sum(plan.recv_splits))
+        self.splits = (plan.send_splits, plan.recv_splits)  # rows to and from each rank
         return output.view(x.shape)
 
 
@@ -351,19 +351,6 @@ def check_experts(args, world_size: int):
         raise CourseError(f"--top-k {args.top_k} is more than --experts {args.experts}: choose at most {args.experts}")
 
 
-def full_weights(model, keep: bool) -> dict | None:
-    """Every parameter of the whole model (each rank's experts gathered), on rank 0 when `keep`."""
-    mine = {name: p.detach().cpu() for name, p in model.named_parameters() if ".experts." in name}
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if not keep:
-        return None
-    full = {name: p.detach().cpu() for name, p in model.named_parameters() if ".experts." not in name}
-    for part in everyone:
-        full.update(part)
-    return full
-
-
 def train_expert_parallel(args, rank: int, world_size: int, device: torch.device):
     check_experts(args, world_size)
     model = build_moe_model(args).to(device)
@@ -384,7 +371,7 @@ def train_expert_parallel(args, rank: int, world_size: int, device: torch.device
     )
     counter = CollectiveCounter()
     logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
-    losses, aux_losses, chosen, kept, rows = [], [], [], [], []
+    losses, aux_losses, chosen, kept, splits = [], [], [], [], []
     batches = (batch for _ in iter(int, 1) for batch in loader)  # endless: epoch after epoch
     for step, (inputs, targets) in zip(range(1, args.steps + 1), batches):
         inputs, targets = inputs.chunk(world_size)[rank].to(device), targets.chunk(world_size)[rank].to(device)
@@ -405,7 +392,7 @@ def train_expert_parallel(args, rank: int, world_size: int, device: torch.device
         chosen.append([layer[0] for layer in counts])
         kept.append([layer[1] for layer in counts])
         if step == 1:
-            rows = [list(block.mlp.rows) for block in layers]
+            splits = [block.mlp.splits for block in layers]
         throughput.step(world_size * inputs.numel())
         logger.log(step, loss=losses[-1], aux_loss=aux_losses[-1], tokens_per_s=throughput.tokens_per_s)
         if step % args.log_every == 0 or step == args.steps:
@@ -413,18 +400,15 @@ def train_expert_parallel(args, rank: int, world_size: int, device: torch.device
             print0(f"step {step:4d}  loss {losses[-1]:.4f}  aux {aux_losses[-1]:.4f}  dropped {dropped}")
     logger.close()
 
-    full = full_weights(model, keep=rank == 0)
-    checksum = torch.zeros((), dtype=torch.float64)
-    if rank == 0:
-        checksum += sum(float(p.double().pow(2).sum()) for p in full.values())
-    dist.all_reduce(checksum)  # rank 0's figure, on every rank
+    full, checksum = moe.full_weights(model, device, keep=rank == 0)  # every rank's experts, gathered on rank 0
     if args.checkpoint:
         save0({"model": full, "config": vars(model_config(args))}, args.checkpoint)
         print0(f"saved the full model to {args.checkpoint}")
     measured = counter.table().get("step", {}).get("all_to_all", [0, 0])[1]
     held, sent = [None] * world_size, [None] * world_size
     dist.all_gather_object(held, state_bytes(model, optimizer))
-    dist.all_gather_object(sent, {"bytes": measured, "rows": rows})
+    rows = [[sum(send), sum(receive)] for send, receive in splits]
+    dist.all_gather_object(sent, {"bytes": measured, "rows": rows, "send_splits": [send for send, _ in splits]})
     tokens = args.batch_size * args.seq_len  # per rank: the group of tokens each capacity is for
     write_metrics(
         args.metrics_out,
@@ -433,7 +417,7 @@ def train_expert_parallel(args, rank: int, world_size: int, device: torch.device
         aux_losses=aux_losses,
         steps=len(losses),
         tokens_per_s=throughput.tokens_per_s,
-        param_checksum=float(checksum),
+        param_checksum=checksum,
         bytes_per_rank=held,
         parallel=args.parallel,
         impl=args.impl,
@@ -447,7 +431,7 @@ def train_expert_parallel(args, rank: int, world_size: int, device: torch.device
         expert_choices=chosen,  # [step][layer][expert]: choices before the capacity, all ranks together
         expert_load=kept,  # [step][layer][expert]: rows each expert processed
         dropped=[[sum(c) - sum(k) for c, k in zip(*step)] for step in zip(chosen, kept)],  # [step][layer]
-        all_to_all=sent,  # per rank, step 1: bytes of the all-to-all inputs; per layer [rows sent, rows received]
+        all_to_all=sent,  # per rank, step 1: all-to-all input bytes; per layer [rows sent, received], rows to each rank
         optimizer=args.optimizer,
         dataset=args.dataset,
     )

@@ -21,6 +21,7 @@ process makes the same decisions as N ranks. Its rules (the lesson's, stated onc
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
@@ -49,6 +50,20 @@ def build_expert(config: ModelConfig, seed: int, layer: int, expert: int) -> MLP
         mlp = MLP(config.dim, config.mlp_ratio * config.dim)
     init_weights(mlp, config.n_layers, _generator(seed, layer, expert + 1))
     return mlp
+
+
+def full_weights(model: nn.Module, device: torch.device, keep: bool) -> tuple[dict | None, float]:
+    """(every parameter of the whole MoE model, each rank's experts gathered, where `keep`; the sum of their
+    squares in float64, on every rank: the checksum one process's model has). Every rank must call it."""
+    mine = {name: p.detach().cpu() for name, p in model.named_parameters() if ".experts." in name}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    full = {name: p.detach().cpu() for name, p in model.named_parameters() if ".experts." not in name}
+    for part in everyone:
+        full.update(part)
+    checksum = torch.tensor(sum(float(p.double().pow(2).sum()) for p in full.values()), device=device)
+    dist.broadcast(checksum, src=0)  # rank 0's figure everywhere (the same sums, added in the same order)
+    return (full if keep else None), float(checksum)
 
 
 def reference_routing(probs: torch.Tensor, k: int, capacity_factor: float) -> tuple[list[list[int]], dict]:

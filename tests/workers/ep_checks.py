@@ -58,19 +58,20 @@ def rank_routing(rank: int, capacity_factor: float = 1.0):
     return choices, kept, picked / picked.sum(dim=1, keepdim=True)
 
 
-def expected_rows(rank: int, world_size: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+def expected_rows(rank: int, world_size: int) -> tuple[list[torch.Tensor], list[list[int]], list[tuple[int, int]]]:
     """What rank `rank` must receive: for each source rank, for each of its own experts, the source's tokens
-    with a kept choice of that expert, in token order. Returns the rows and [N][E/N] counts."""
+    with a kept choice of that expert, in token order. Returns the rows, [N][E/N] counts, each row's (source, token)."""
     per_rank = N_EXPERTS // world_size
-    rows, counts = [], []
+    rows, counts, ids = [], [], []
     for source in range(world_size):
         tokens, (_, kept, _) = rank_tokens(source), rank_routing(source)
         counts.append([])
         for expert in range(rank * per_rank, (rank + 1) * per_rank):
             mine = sorted(t for (t, _), e in kept.items() if e == expert)
             rows += [tokens[t] for t in mine]
+            ids += [(source, t) for t in mine]
             counts[-1].append(len(mine))
-    return rows, counts
+    return rows, counts, ids
 
 
 def routing_of(script, rank: int, gates=None):
@@ -99,10 +100,14 @@ def check_capacity(script, rank, world_size, group):
 
 def check_dispatch(script, rank, world_size, group):
     routing, kept = routing_of(script, rank)
-    received, plan = script.dispatch(rank_tokens(rank), routing, kept, N_EXPERTS, script.exchange_scratch, group)
-    rows, counts = expected_rows(rank, world_size)
+    tokens = rank_tokens(rank).requires_grad_()
+    received, plan = script.dispatch(tokens, routing, kept, N_EXPERTS, script.exchange_scratch, group)
+    rows, counts, _ = expected_rows(rank, world_size)
     if [list(map(int, row)) for row in plan.recv_counts.view(world_size, -1).tolist()] != counts:
-        return f"TODO 8: rank {rank} expects {plan.recv_counts.tolist()} rows per (source rank, expert), not {counts}"
+        return (
+            f"TODO 8: rank {rank} receives {counts} rows per (source rank, its expert), its plan says "
+            f"{plan.recv_counts.tolist()}: exchange the counts per expert first"
+        )
     want_sent = [sum(expected_rows(peer, world_size)[1][rank]) for peer in range(world_size)]
     if list(plan.send_splits) != want_sent or list(plan.recv_splits) != [sum(c) for c in counts]:
         return (
@@ -115,6 +120,23 @@ def check_dispatch(script, rank, world_size, group):
             f"TODO 8: rank {rank} received rows {tuple(received.shape)} that are not its experts' tokens, grouped by "
             "source rank, then by expert, in token order (sort the kept choices by expert with a stable sort)"
         )
+    (received * row_weights(rank, len(rows))).sum().backward()  # each received row's gradient goes back to its token
+    want_grad = torch.zeros(TOKENS, DIM)
+    for peer in range(world_size):
+        peer_ids = expected_rows(peer, world_size)[2]
+        for (source, t), weight in zip(peer_ids, row_weights(peer, len(peer_ids))):
+            if source == rank:
+                want_grad[t] += weight
+    if tokens.grad is None or not close(tokens.grad, want_grad):
+        return (
+            f"TODO 8: rank {rank}: the tokens get no or wrong gradients back from the dispatch: send them with "
+            "`exchange` (differentiable), not dist.all_to_all_single"
+        )
+
+
+def row_weights(rank: int, n: int) -> torch.Tensor:
+    """Weights for the n rows rank `rank` receives (known to every rank)."""
+    return torch.randn(n, DIM, generator=torch.Generator().manual_seed(40 + rank))
 
 
 def reference_plan(script, rank, world_size):
@@ -131,7 +153,7 @@ def reference_plan(script, rank, world_size):
 def check_combine(script, rank, world_size, group):
     per_rank = N_EXPERTS // world_size
     plan = reference_plan(script, rank, world_size)
-    rows, counts = expected_rows(rank, world_size)
+    rows, counts, _ = expected_rows(rank, world_size)
     scale = torch.cat([torch.full((n,), 1.0 + rank * per_rank + j) for c in counts for j, n in enumerate(c)])
     results = (torch.stack(rows) * scale[:, None]).requires_grad_()  # expert e's result for token x: (e + 1) x
     gates = rank_routing(rank)[2].clone().requires_grad_()
