@@ -45,6 +45,10 @@ MUTANTS = [
     Mutant(todo=8, what="a choice's index taken as its token's (tokens[order], not tokens[order // k])",
            find="received = exchange(tokens[order // k], recv_splits, send_splits, group)",
            replace="received = exchange(tokens[order % tokens.shape[0]], recv_splits, send_splits, group)"),
+    Mutant(todo=8, what="the rows sent with dist.all_to_all_single itself: no gradient flows back to the tokens",
+           find="    received = exchange(tokens[order // k], recv_splits, send_splits, group)\n",
+           replace="    received = tokens.new_empty((sum(recv_splits), tokens.shape[1]))\n"
+                   "    dist.all_to_all_single(received, tokens[order // k], recv_splits, send_splits, group=group)\n"),
     # TODO 9: the combine
     Mutant(todo=9, what="the reverse all-to-all with the dispatch's splits, not swapped",
            find="back = exchange(results, plan.send_splits, plan.recv_splits, group)",
