@@ -61,7 +61,9 @@ def full_weights(model: nn.Module, device: torch.device, keep: bool) -> tuple[di
     full = {name: p.detach().cpu() for name, p in model.named_parameters() if ".experts." not in name}
     for part in everyone:
         full.update(part)
-    checksum = torch.tensor(sum(float(p.double().pow(2).sum()) for p in full.values()), device=device)
+    checksum = torch.tensor(
+        sum(float(p.double().pow(2).sum()) for p in full.values()), dtype=torch.float64, device=device
+    )
     dist.broadcast(checksum, src=0)  # rank 0's figure everywhere (the same sums, added in the same order)
     return (full if keep else None), float(checksum)
 
