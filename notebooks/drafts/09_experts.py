@@ -243,12 +243,17 @@ for name, (nproc, n_experts, factor, extra) in parity.items():
     )
     assert weights.keys() == reference.keys() and difference <= TOLERANCE
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(metrics["losses"], losses))
-try:
-    launch(3, "--experts", 4, *SGD, name="refused")
-except RuntimeError as error:
-    refusal = next(line for line in str(error).splitlines() if "ERROR:" in line)
-    print(refusal[refusal.index("ERROR:") :])
-assert "does not split evenly over 3 ranks" in refusal
+import os
+import subprocess
+
+refused = subprocess.run(
+    [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", f"../{SCRIPT}",
+     *map(str, COMMON), "--experts", "4", *map(str, SGD)],
+    capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+)  # fmt: skip
+refusal = next(line for line in refused.stderr.splitlines() if "ERROR:" in line)
+print(f"3 ranks, --experts 4: exit code {refused.returncode}, {refusal[refusal.index('ERROR:') :]}")
+assert refused.returncode != 0 and "does not split evenly over 3 ranks" in refusal
 
 # %% [markdown]
 # ### EP with DP, and where EP sits in the rank grid
