@@ -17,19 +17,26 @@ Every rank keeps a full copy of the parameters it does not split, so their gradi
     torchrun --nproc_per_node=4 solutions/09_context_and_experts.py --parallel ep --experts 4 --top-k 2
 """
 
+import argparse
 import itertools
 import math
 import sys
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as distributed_autograd
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+import utils.experts as moe
+from utils.collective_counter import CollectiveCounter
 from utils.context_parallel import Ring, attention_memory, gather, ring_measurements
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
@@ -42,7 +49,9 @@ from utils.training import (
     build_optimizer,
     check_batches,
     model_config,
+    non_negative_float,
     parse_args,
+    positive_int,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -351,39 +360,303 @@ def measure_ring(ring: Ring, args, rank: int, world_size: int, device: torch.dev
 # --------------------------------------------------------------------------------------------------
 # Part 2: expert parallelism. TODOs 6-10.
 # --------------------------------------------------------------------------------------------------
+#
+# Every block's MLP becomes a mixture of E experts (each an MLP of the course model's shape) and a router (a linear
+# layer, dim -> E logits) that sends each token to k of them. Rank r of N holds experts r E/N ... (r+1) E/N - 1 and
+# a copy of everything else (the router included), which trains data-parallel on the rank's own batch. In each MoE
+# layer, each rank: routes its tokens (TODO 6), drops the choices beyond an expert's capacity (TODO 7), sends each
+# kept token to the rank of its expert (TODO 8: the counts first, then the tokens, in one all-to-all), runs its
+# experts on what it received, and sends the results back, where each token sums them weighted by its gates
+# (TODO 9). After backward, the copies' gradients are averaged and the experts' scaled (TODO 10).
 
 
-def todo_6():
-    # TODO 6: placeholder (expert parallelism).
-    raise NotImplementedError("TODO 6: placeholder (expert parallelism)")
+@dataclass
+class Routing:
+    """The router's decisions for T tokens (one rank's), and the load-balancing loss they cost."""
+
+    experts: torch.Tensor  # [T, k] each token's experts, most probable first
+    gates: torch.Tensor  # [T, k] the weights of their outputs; each row sums to 1
+    aux_loss: torch.Tensor  # E x sum_e f_e x P_e: 1 when the choices spread evenly, up to E when all pick one
 
 
-def todo_7():
-    # TODO 7: placeholder (expert parallelism).
-    raise NotImplementedError("TODO 7: placeholder (expert parallelism)")
+def route(logits: torch.Tensor, k: int) -> Routing:
+    """logits [T, E] (the router's output for T tokens) -> each token's top-k experts, their gates, the loss."""
+    # TODO 6: the router: top-k experts, renormalised gates, and the load-balancing loss. Softmax over all E logits
+    #   (probs [T, E]); each token's k most probable experts (probs.topk(k): values and indices, largest first); the
+    #   gates are those k probabilities divided by their sum, so a token's output is a weighted mean of its experts'.
+    #   The Switch Transformer's loss: f_e = the fraction of the T x k choices that picked expert e (a count: no
+    #   gradient), P_e = expert e's probability averaged over the T tokens (the router's gradient comes through it);
+    #   aux_loss = E x sum_e f_e x P_e.
+    raise NotImplementedError("TODO 6: the router: top-k experts, renormalised gates, and the load-balancing loss")
 
 
-def todo_8():
-    # TODO 8: placeholder (expert parallelism).
-    raise NotImplementedError("TODO 8: placeholder (expert parallelism)")
+def keep_within_capacity(experts: torch.Tensor, n_experts: int, capacity_factor: float) -> tuple[torch.Tensor, int]:
+    """experts [T, k] -> (kept [T, k]: True for the choices within their expert's capacity, the capacity).
+
+    Each rank decides for its own T tokens before any communication, so an expert may receive up to N x capacity
+    rows in all. The choices are served in priority order: every token's first choice, then every token's second
+    choice, ...; tokens in order. A dropped choice adds nothing to its token (which keeps its residual stream)."""
+    # TODO 7: the capacity: each choice's place in its expert's queue, and which fit. capacity = ceil(C x T x k / E)
+    #   (math.ceil) for this rank's T tokens. Read the choices in priority order, column by column
+    #   (experts.t().flatten()); a choice's position in its expert's queue is how many choices before it picked the
+    #   same expert: one-hot [T k, E] (F.one_hot), cumulative sum down the rows, minus 1, read at the choice's own
+    #   expert (.gather). Kept where position < capacity; bring the mask back to [T, k].
+    raise NotImplementedError("TODO 7: the capacity: each choice's place in its expert's queue, and which fit")
 
 
-def todo_9():
-    # TODO 9: placeholder (expert parallelism).
-    raise NotImplementedError("TODO 9: placeholder (expert parallelism)")
+@dataclass
+class Plan:
+    """How the kept choices travelled in the dispatch, so that the combine can bring their results back."""
+
+    order: torch.Tensor  # [S] the kept choices' indices into the flattened [T k] routing, in the order sent
+    send_splits: list[int]  # rows sent to each rank (S in all)
+    recv_splits: list[int]  # rows received from each rank
+    recv_counts: torch.Tensor  # [N, E / N] rows received from each rank for each of this rank's experts
 
 
-def todo_10():
-    # TODO 10: placeholder (expert parallelism).
-    raise NotImplementedError("TODO 10: placeholder (expert parallelism)")
+def dispatch(tokens, routing: Routing, kept, n_experts: int, exchange, group=None) -> tuple[torch.Tensor, Plan]:
+    """Send each kept choice's token [D] to the rank holding its expert. Returns the rows this rank's experts
+    must process, grouped by source rank and within each by expert (with the plan), as torch's all-to-all
+    delivers them. `exchange(rows, output_splits, input_splits, group)` is the differentiable all-to-all."""
+    world_size = dist.get_world_size(group)
+    k = routing.experts.shape[1]
+    # TODO 8: the counts exchange and the dispatch all-to-all (uneven splits). Sort the kept choices by expert:
+    #   their flat indices (kept.flatten().nonzero()), reordered by a stable argsort of their experts (ties keep
+    #   token order). counts [E] = kept choices per expert (torch.bincount, minlength=E). Expert e lives on rank
+    #   e // (E / N): the rows sent to each rank are counts.view(N, E / N).sum(1). Nobody knows yet what it will
+    #   receive: exchange the counts first, dist.all_to_all_single(received_counts, counts) (E / N numbers to each
+    #   rank), which gives [N, E / N] = for each source rank, the rows for each of this rank's experts. Then send the
+    #   tokens of the sorted choices (tokens[order // k]) with exchange(rows, recv_splits, send_splits, group).
+    raise NotImplementedError("TODO 8: the counts exchange and the dispatch all-to-all (uneven splits)")
+
+
+def run_experts(received: torch.Tensor, plan: Plan, experts: nn.ModuleDict, first_expert: int) -> torch.Tensor:
+    """Each of this rank's experts on its rows, kept in the order they arrived (the way back is the same)."""
+    per_rank = plan.recv_counts.shape[1]
+    chunks = received.split(plan.recv_counts.flatten().tolist())  # source 0's rows for each expert, source 1's, ...
+    return torch.cat([experts[str(first_expert + i % per_rank)](chunk) for i, chunk in enumerate(chunks)])
+
+
+def combine(results, plan: Plan, routing: Routing, n_tokens: int, exchange, group=None) -> torch.Tensor:
+    """The experts' results [R, D] back to the ranks that sent the rows -> this rank's MoE output [T, D]."""
+    k = routing.experts.shape[1]
+    # TODO 9: the combine: reverse all-to-all, original order, gate weighting. Send the results back the way the
+    #   rows came: exchange(results, send_splits, recv_splits, group) (the dispatch's splits, swapped) returns them in
+    #   the order this rank sent the rows (plan.order). Weight each by its choice's gate (the flattened gates, read
+    #   at plan.order) and add it to its token's row, order // k, of a [T, D] output of zeros (index_add: a token with
+    #   two kept choices gets both; a dropped choice adds nothing).
+    raise NotImplementedError("TODO 9: the combine: reverse all-to-all, original order, gate weighting")
+
+
+def synchronize_gradients(replicated: list, experts: list, group=None):
+    """After backward: every rank holds its own loss's gradients (the mean over its tokens). The objective is the
+    mean of the ranks' losses (the global batch's mean)."""
+    world_size = dist.get_world_size(group)
+    # TODO 10: the gradients of the replicated part and of the experts. The replicated parameters (embeddings,
+    #   attention, norms, routers, head) have one gradient per rank: average them over the ranks, as in lesson 02
+    #   (all-reduce, then divide by N; one flat buffer for all of them). An expert lives on one rank only, and its
+    #   gradient there already sums what came back from every rank's tokens, each rank's loss a mean over its
+    #   own tokens: that is N times the gradient of the global mean. Divide it by N; never all-reduce it (the
+    #   other ranks' tensors at that place are other experts).
+    raise NotImplementedError("TODO 10: the gradients of the replicated part and of the experts")
+
+
+# The all-to-all with uneven splits, differentiable: from scratch, then torch's.
+
+
+class AllToAll(torch.autograd.Function):
+    """dist.all_to_all_single as an autograd function: the gradients take the way back (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, rows, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        output = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+        dist.all_to_all_single(output, rows.contiguous(), output_splits, input_splits, group=group)
+        return output
+
+    @staticmethod
+    def backward(ctx, gradient):
+        output_splits, input_splits = ctx.splits
+        back = gradient.new_empty((sum(input_splits), *gradient.shape[1:]))
+        dist.all_to_all_single(back, gradient.contiguous(), input_splits, output_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def exchange_scratch(rows, output_splits, input_splits, group=None):
+    return AllToAll.apply(rows, output_splits, input_splits, group)
+
+
+def exchange_builtin(rows, output_splits, input_splits, group=None):
+    """torch.distributed.nn.functional.all_to_all_single: torch's autograd form of the same collective."""
+    output = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+    return distributed_autograd.all_to_all_single(output, rows.contiguous(), output_splits, input_splits, group=group)
+
+
+EXCHANGES = {"scratch": exchange_scratch, "builtin": exchange_builtin}
+
+
+class MoEMLP(nn.Module):
+    """A block's MLP as a mixture of experts whose experts are split over the ranks of `group` (a drop-in for
+    utils.model.MLP: [B, T, D] -> [B, T, D]). After each forward: aux_loss, and the counts the metrics record."""
+
+    def __init__(self, router, experts: dict, n_experts: int, k: int, capacity_factor: float, exchange, group=None):
+        super().__init__()
+        self.router, self.experts = router, nn.ModuleDict({str(e): expert for e, expert in experts.items()})
+        self.first_expert = min(experts)
+        self.n_experts, self.k, self.capacity_factor = n_experts, k, capacity_factor
+        self.exchange, self.group = exchange, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        routing = route(self.router(tokens), self.k)
+        kept, self.capacity = keep_within_capacity(routing.experts, self.n_experts, self.capacity_factor)
+        received, plan = dispatch(tokens, routing, kept, self.n_experts, self.exchange, self.group)
+        results = run_experts(received, plan, self.experts, self.first_expert)
+        output = combine(results, plan, routing, tokens.shape[0], self.exchange, self.group)
+        self.aux_loss = routing.aux_loss
+        self.chosen = torch.bincount(routing.experts.flatten(), minlength=self.n_experts)  # before the capacity
+        self.kept = torch.bincount(routing.experts[kept], minlength=self.n_experts)  # after it
+        self.splits = (plan.send_splits, plan.recv_splits)  # rows to and from each rank
+        return output.view(x.shape)
+
+
+def build_moe_model(args, group=None):
+    """The course model with every block's MLP an MoEMLP holding this rank's experts (utils/experts.py builds each
+    expert from its own seed: the rank builds only its own, and one process would build the same)."""
+    config, world_size, rank = model_config(args), dist.get_world_size(group), dist.get_rank(group)
+    per_rank = args.experts // world_size
+    model = build_model(config, seed=args.seed)
+    for layer, block in enumerate(model.blocks):
+        mine = range(rank * per_rank, (rank + 1) * per_rank)
+        experts = {e: moe.build_expert(config, args.seed, layer, e) for e in mine}
+        router = moe.build_router(config, args.experts, args.seed, layer)
+        block.mlp = MoEMLP(router, experts, args.experts, args.top_k, args.capacity_factor, EXCHANGES[args.impl], group)
+    return model
+
+
+def split_parameters(model) -> tuple[list, list]:
+    """(replicated parameters, this rank's experts' parameters)."""
+    named = list(model.named_parameters())
+    return [p for n, p in named if ".experts." not in n], [p for n, p in named if ".experts." in n]
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
 
 
 def add_expert_options(parser):
     """--experts, --top-k, --capacity-factor, --aux-loss-weight and any other option of expert parallelism only."""
+    parser.add_argument("--experts", type=positive_int, default=4, help="experts per MoE layer (divisible by ranks)")
+    parser.add_argument("--top-k", type=positive_int, default=2, help="experts per token")
+    parser.add_argument(
+        "--capacity-factor", type=positive_float, default=1.25, help="capacity = ceil(C x tokens x k / E) per rank"
+    )
+    parser.add_argument("--aux-loss-weight", type=non_negative_float, default=0.01, help="load-balancing loss weight")
+
+
+def check_experts(args, world_size: int):
+    """Refuse what cannot run, with one line, before any collective."""
+    if args.experts % world_size:
+        divisors = [str(n) for n in range(1, args.experts + 1) if args.experts % n == 0]
+        fits = " or ".join([", ".join(divisors[:-1]), divisors[-1]] if len(divisors) > 1 else divisors)
+        raise CourseError(
+            f"--experts {args.experts} does not split evenly over {world_size} ranks: use a multiple of {world_size} "
+            f"experts, or launch {fits} processes"
+        )
+    if args.top_k > args.experts:
+        raise CourseError(f"--top-k {args.top_k} is more than --experts {args.experts}: choose at most {args.experts}")
 
 
 def train_expert_parallel(args, rank: int, world_size: int, device: torch.device):
-    raise CourseError("--parallel ep is not written yet")
+    check_experts(args, world_size)
+    model = build_moe_model(args).to(device)
+    replicated, experts = split_parameters(model)
+    optimizer = build_optimizer(model.parameters(), args)
+    layers = list(model.blocks)
+    print0(
+        f"{world_size} ranks x {args.experts // world_size} experts of {args.experts} per layer | top-{args.top_k}, "
+        f"capacity factor {args.capacity_factor}, aux-loss weight {args.aux_loss_weight} | --impl {args.impl} | "
+        f"global batch {world_size} x {args.batch_size} sequences"
+    )
+
+    train_set = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train_set), args, 1, per_step=world_size, what="global batch")
+    generator = torch.Generator().manual_seed(args.seed)  # lesson 00's order of batches, N x --batch-size each
+    loader = torch.utils.data.DataLoader(
+        train_set, batch_size=world_size * args.batch_size, shuffle=True, drop_last=True, generator=generator
+    )
+    counter = CollectiveCounter()
+    logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
+    losses, aux_losses, chosen, kept, splits = [], [], [], [], []
+    batches = (batch for _ in iter(int, 1) for batch in loader)  # endless: epoch after epoch
+    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches):
+        inputs, targets = inputs.chunk(world_size)[rank].to(device), targets.chunk(world_size)[rank].to(device)
+        optimizer.zero_grad(set_to_none=True)
+        with counter.phase("step") if step == 1 else nullcontext():  # the all-to-all bytes of one step
+            loss = loss_fn(model(inputs), targets)
+            aux = sum(block.mlp.aux_loss for block in layers)
+            (loss + args.aux_loss_weight * aux).backward()
+        synchronize_gradients(replicated, experts)
+        optimizer.step()
+        # One all-reduce for what the metrics record: the mean losses, the choices and kept rows per expert.
+        summed = torch.cat([torch.stack([loss.detach(), aux.detach()]) / world_size]
+                           + [torch.cat([b.mlp.chosen, b.mlp.kept]).to(loss.dtype) for b in layers])  # fmt: skip
+        dist.all_reduce(summed)
+        losses.append(summed[0].item())
+        aux_losses.append(summed[1].item())
+        counts = summed[2:].view(len(layers), 2, args.experts).round().long().tolist()
+        chosen.append([layer[0] for layer in counts])
+        kept.append([layer[1] for layer in counts])
+        if step == 1:
+            splits = [block.mlp.splits for block in layers]
+        throughput.step(world_size * inputs.numel())
+        logger.log(step, loss=losses[-1], aux_loss=aux_losses[-1], tokens_per_s=throughput.tokens_per_s)
+        if step % args.log_every == 0 or step == args.steps:
+            dropped = sum(map(sum, chosen[-1])) - sum(map(sum, kept[-1]))
+            print0(f"step {step:4d}  loss {losses[-1]:.4f}  aux {aux_losses[-1]:.4f}  dropped {dropped}")
+    logger.close()
+
+    full, checksum = moe.full_weights(model, device, keep=rank == 0)  # every rank's experts, gathered on rank 0
+    if args.checkpoint:
+        save0({"model": full, "config": vars(model_config(args))}, args.checkpoint)
+        print0(f"saved the full model to {args.checkpoint}")
+    measured = counter.table().get("step", {}).get("all_to_all", [0, 0])[1]
+    held, sent = [None] * world_size, [None] * world_size
+    dist.all_gather_object(held, state_bytes(model, optimizer))
+    rows = [[sum(send), sum(receive)] for send, receive in splits]
+    dist.all_gather_object(sent, {"bytes": measured, "rows": rows, "send_splits": [send for send, _ in splits]})
+    tokens = args.batch_size * args.seq_len  # per rank: the group of tokens each capacity is for
+    write_metrics(
+        args.metrics_out,
+        final_loss=losses[-1],
+        losses=losses,
+        aux_losses=aux_losses,
+        steps=len(losses),
+        tokens_per_s=throughput.tokens_per_s,
+        param_checksum=checksum,
+        bytes_per_rank=held,
+        parallel=args.parallel,
+        impl=args.impl,
+        experts=args.experts,
+        experts_per_rank=args.experts // world_size,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        aux_loss_weight=args.aux_loss_weight,
+        capacity=math.ceil(args.capacity_factor * tokens * args.top_k / args.experts),
+        tokens_per_rank=tokens,
+        expert_choices=chosen,  # [step][layer][expert]: choices before the capacity, all ranks together
+        expert_load=kept,  # [step][layer][expert]: rows each expert processed
+        dropped=[[sum(c) - sum(k) for c, k in zip(*step)] for step in zip(chosen, kept)],  # [step][layer]
+        all_to_all=sent,  # per rank, step 1: all-to-all input bytes; per layer [rows sent, received], rows to each rank
+        optimizer=args.optimizer,
+        dataset=args.dataset,
+    )
+    print0(f"throughput: {throughput.tokens_per_s:,.0f} tokens/s on {world_size} x {device.type}")
+    print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
+    del optimizer, model
 
 
 # --------------------------------------------------------------------------------------------------
