@@ -761,11 +761,19 @@ def train_expert_parallel(args, rank: int, world_size: int, device: torch.device
 
 def main():
     parser = base_parser(__doc__.splitlines()[0], without=("--autocast",))  # fp32 only: parity is exact
-    parser.add_argument("--parallel", choices=("cp", "ep"), required=True, help="context or expert parallelism")
+    parser.add_argument("--parallel", choices=("cp", "ep"), default="cp", help="context or expert parallelism")
     parser.add_argument("--impl", choices=("scratch", "builtin"), default="scratch", help="from scratch or built in")
-    add_context_options(parser)
-    add_expert_options(parser)
+    options = {}  # each part's own options: given to the other part, they would be ignored, so they are refused
+    for part, add_options in (("cp", add_context_options), ("ep", add_expert_options)):
+        before = len(parser._actions)
+        add_options(parser)
+        options[part] = [action.option_strings[0] for action in parser._actions[before:]]
     args = parse_args(parser)
+    other = "ep" if args.parallel == "cp" else "cp"
+    given = {argument.split("=")[0] for argument in sys.argv[1:]}
+    for option in options[other]:
+        if option in given:
+            parser.error(f"argument {option}: an option of --parallel {other}, not of --parallel {args.parallel}")
     _, rank, device, world_size = setup(args.seed)
     if args.parallel == "cp":
         train_context_parallel(args, rank, world_size, device)

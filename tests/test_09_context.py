@@ -547,6 +547,7 @@ def test_todo5_zigzag_balances_the_causal_work(run, needs):
     needs(1, 2, 3, 4)
     for n in (2, 4):
         seq_len = finished(run(f"{n}_zigzag")[0], 5)["seq_len"]
+        # What "--cp-split" changes: which blocks of the causal attention each rank computes (not their total).
         work = {split: finished(run(f"{n}_{split}")[0], 5)["attention_pairs_per_rank"] for split in RUNS_SPLITS}
         for split, pairs in work.items():
             assert pairs == [reference_pairs(seq_len, r, n, split) for r in range(n)], (split, pairs)
@@ -593,6 +594,16 @@ def test_builtin_is_refused_on_cpu_in_one_line(lesson, tmp_path):
     errors = [line for line in result.output.splitlines() if "ERROR:" in line]
     assert result.returncode == 2 and len(errors) == 1, result.tail()
     assert "needs a GPU" in errors[0] and "use --impl scratch" in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("parallel, option, value", [("cp", "--experts", "8"), ("ep", "--cp-split", "contiguous")])
+def test_the_other_parts_options_are_refused(lesson, tmp_path, parallel, option, value):
+    """An option of expert parallelism would be ignored by --parallel cp (and the other way round): refused."""
+    args = ["--parallel", parallel, option, value, "--steps", 1, "--log-dir", tmp_path / "runs"]
+    result = python(lesson("09"), args, env=ENV, timeout=90)
+    assert result.returncode == 2 and "Traceback" not in result.output, result.tail()
+    other = "ep" if parallel == "cp" else "cp"
+    assert f"argument {option}: an option of --parallel {other}, not of --parallel {parallel}" in result.output
 
 
 def test_shared_options_change_the_run(lesson, tmp_path):

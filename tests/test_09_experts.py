@@ -299,8 +299,14 @@ def test_options_and_measurements_reach_the_metrics(run, needs):
         o = options(name)
         assert metrics["world_size"] == nproc and metrics["parallel"] == "ep", name
         assert metrics["impl"] == getattr(o, "impl", "scratch"), name
-        assert (metrics["experts"], metrics["top_k"]) == (o.experts, o.top_k), name
-        assert (metrics["capacity_factor"], metrics["aux_loss_weight"]) == (o.capacity_factor, o.aux_loss_weight)
+        recorded = {
+            "--experts": "experts",
+            "--top-k": "top_k",
+            "--capacity-factor": "capacity_factor",
+            "--aux-loss-weight": "aux_loss_weight",
+        }  # each as given; what each changes: the capacity, loads and drops checked below
+        for option, key in recorded.items():
+            assert metrics[key] == getattr(o, key), f"{name}: {option} {getattr(o, key)} recorded as {metrics[key]}"
         assert metrics["experts_per_rank"] == o.experts // nproc, name
         tokens = o.batch_size * o.seq_len  # per rank
         assert metrics["capacity"] == math.ceil(o.capacity_factor * tokens * o.top_k / o.experts), name

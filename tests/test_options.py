@@ -103,6 +103,16 @@ EFFECTS = {
         "--slow-steps": SHARED_RUN,
         "--slow-save": SHARED_RUN,
     },
+    "09": {
+        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
+        "--parallel": SHARED_RUN,
+        "--impl": "test_builtin_is_refused_on_cpu_in_one_line",
+        "--cp-split": "test_todo5_zigzag_balances_the_causal_work",
+        "--experts": "test_options_and_measurements_reach_the_metrics",
+        "--top-k": "test_options_and_measurements_reach_the_metrics",
+        "--capacity-factor": "test_options_and_measurements_reach_the_metrics",
+        "--aux-loss-weight": "test_options_and_measurements_reach_the_metrics",
+    },
 }
 # Options a script refuses beyond the shared ones it leaves out: lesson -> {option: a value to pass}.
 REFUSED = {"01": {"--seed": "1"}}  # lesson 01 draws no random numbers from it: it had no effect
@@ -156,14 +166,19 @@ def refused(lesson: str) -> dict:
     return {**{option: SAMPLE_VALUE.get(option, "1") for option in sorted(left_out)}, **REFUSED.get(lesson, {})}
 
 
+def test_files(lesson: str) -> list:
+    """The lesson's test files: tests/test_NN_topic.py, or one per part (lesson 09: test_09_context.py, ...)."""
+    return sorted((ROOT / "tests").glob(f"test_{lesson}_*.py"))
+
+
 def source_of_test(lesson: str, name: str) -> str | None:
-    """The source of test function `name` (with its decorators) in the lesson's test file, or None."""
-    path = ROOT / "tests" / f"test_{SCRIPTS[lesson].stem}.py"
-    text = path.read_text()
-    for node in ast.parse(text).body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            return "\n".join(text.splitlines()[first - 1 : node.end_lineno])
+    """The source of test function `name` (with its decorators) in the lesson's test files, or None."""
+    for path in test_files(lesson):
+        text = path.read_text()
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                return "\n".join(text.splitlines()[first - 1 : node.end_lineno])
     return None
 
 
@@ -172,7 +187,7 @@ ALL_OPTIONS = [(lesson, option) for lesson in SCRIPTS for option in options_of(l
 
 @pytest.mark.parametrize("lesson, option", ALL_OPTIONS, ids=[f"{lesson}{option}" for lesson, option in ALL_OPTIONS])
 def test_every_option_is_checked_or_refused(lesson, option):
-    script, tests = SCRIPTS[lesson].name, f"tests/test_{SCRIPTS[lesson].stem}.py"
+    script, tests = SCRIPTS[lesson].name, " or ".join(str(p.relative_to(ROOT)) for p in test_files(lesson))
     assert option not in refused(lesson), f"{script} {option}: listed as refused, yet its parser accepts it"
     name = EFFECTS.get(lesson, {}).get(option)
     if name is None and lesson in PENDING:

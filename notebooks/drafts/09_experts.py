@@ -267,4 +267,4 @@ assert refused.returncode != 0 and "does not split evenly over 3 ranks" in refus
 # divided by `ep` and averaged over its expert-DP group (world / ep ranks). The all-to-all bytes depend on the
 # tokens and on ep, not on the model's size; the expert parameters per rank fall as 1/ep. In lesson 06's grid, EP
 # takes the place of (part of) the DP dimension for the MoE layers only: the attention layers still see
-# pp x dp x tp, and the planner's layouts gain an `ep` that divides dp x tp.
+# pp x dp x tp, and the planner's layouts gain an `ep` that divides dp x cp (where Megatron-Core places it).
