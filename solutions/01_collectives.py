@@ -441,6 +441,7 @@ def steps_until_converged(losses: list[float], target: float) -> int:
 
 
 def main():
+    load_before = os.getloadavg()[0]  # before this run's own work: other jobs' share of the cores
     parser = CourseArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=5, help="timed rounds per message size")
     parser.add_argument(
@@ -476,7 +477,6 @@ def main():
     rows, fit = [], {}
     if not args.skip_benchmark:
         print0(f"\nPart 3: time per all-reduce at {world_size} ranks (median of {args.steps} rounds)")
-        load_before = os.getloadavg()[0]  # before our rounds: other jobs' share of the cores
         rows = benchmark(args.sizes, args.steps, device)
         header = f"{'bytes':>10} {'library':>11} {'ring':>11} {'rs+ag':>11} {'ring speed':>11} {'algbw lib':>11}"
         print0(header + f" {'busbw lib':>11}")

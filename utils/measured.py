@@ -39,12 +39,13 @@ QUIET = 0.5  # runnable processes of other jobs a measurement accepts: half a co
 
 
 def wait_until_quiet(timeout_s: float = 240.0) -> float:
-    """Wait up to timeout_s for the 1-minute load average to fall below QUIET, and return it.
+    """Wait up to timeout_s for the 1-minute load average to fall below QUIET / 2, and return it.
 
     A previous run's processes stay in the 1-minute average for a minute or two after they end, so a benchmark
     that follows another one waits for them to leave it before it reads the load "before" its own runs."""
     deadline = time.monotonic() + timeout_s
-    while os.getloadavg()[0] >= QUIET and time.monotonic() < deadline:
+    # Half of QUIET: our own processes, starting, add to the average the benchmark reads next.
+    while os.getloadavg()[0] >= QUIET / 2 and time.monotonic() < deadline:
         time.sleep(5)
     return os.getloadavg()[0]
 
