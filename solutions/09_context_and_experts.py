@@ -429,7 +429,7 @@ class Routing:
 
     experts: torch.Tensor  # [T, k] each token's experts, most probable first
     gates: torch.Tensor  # [T, k] the weights of their outputs; each row sums to 1
-    aux_loss: torch.Tensor  # E x sum_e f_e x P_e: 1 when the choices spread evenly, up to E when all pick one
+    aux_loss: torch.Tensor  # E x sum_e f_e x P_e: 1 if the choices spread evenly, up to E / k if all pick the same k
 
 
 def route(logits: torch.Tensor, k: int) -> Routing:

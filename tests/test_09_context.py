@@ -195,7 +195,8 @@ def whole(pieces_by_rank, positions_by_rank, seq_len):
     return full
 
 
-RING_CASES = [(2, "contiguous", 16), (3, "zigzag", 12), (4, "contiguous", 16), (4, "zigzag", 16)]
+# (2, "zigzag", 4): pieces of one token, where a block's first key can be its last query (the diagonal, computed)
+RING_CASES = [(2, "contiguous", 16), (2, "zigzag", 4), (3, "zigzag", 12), (4, "contiguous", 16), (4, "zigzag", 16)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
