@@ -99,9 +99,9 @@ MUTANTS = [
     # TODO 8: set_epoch
     Mutant(
         todo=8,
-        what="never calls set_epoch: every epoch repeats the first order",
+        what="sets sampler.shuffle instead of calling set_epoch: every epoch repeats the first order",
         find="            sampler.set_epoch(epoch)\n            # EXERCISE",
-        replace="            pass\n            # EXERCISE",
+        replace="            sampler.shuffle = True  # reshuffle\n            # EXERCISE",
     ),
     Mutant(
         todo=8,
@@ -112,9 +112,9 @@ MUTANTS = [
     # TODO 9: no_sync accumulation
     Mutant(
         todo=9,
-        what="never uses no_sync: one all-reduce per micro-batch",
+        what="off by one (micro_step < grad_accum): never inside no_sync, one all-reduce per micro-batch",
         find="sync = nullcontext() if last else model.no_sync()",
-        replace="sync = nullcontext()",
+        replace="sync = nullcontext() if micro_step < args.grad_accum else model.no_sync()",
     ),
     Mutant(
         todo=9,
@@ -125,9 +125,9 @@ MUTANTS = [
     # TODO 10: the logged loss
     Mutant(
         todo=10,
-        what="logs rank 0's own loss (no all-reduce)",
+        what="broadcasts rank 0's loss instead of averaging: logs rank 0's slice only",
         find="        dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)\n        # EXERCISE",
-        replace="        pass\n        # EXERCISE",
+        replace="        dist.broadcast(step_loss, src=0)\n        # EXERCISE",
     ),
     Mutant(
         todo=10,
@@ -138,9 +138,10 @@ MUTANTS = [
     # TODO 11: save the unwrapped model
     Mutant(
         todo=11,
-        what="saves the wrapper's state dict (names prefixed with module.)",
+        what="unwraps DistributedDataParallel only: --ddp scratch saves names prefixed with module.",
         find='state = {"model": model.module.state_dict(),',
-        replace='state = {"model": model.state_dict(),',
+        replace='state = {"model": (model.module if isinstance(model, DistributedDataParallel) else model)'
+        ".state_dict(),",
     ),
     Mutant(
         todo=11,

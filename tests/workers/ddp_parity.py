@@ -3,11 +3,16 @@
     torchrun --nproc_per_node=N tests/workers/ddp_parity.py LESSON_SCRIPT RESULTS.json
 
 LESSON_SCRIPT is solutions/02_data_parallel.py or a learner's exercises/02_data_parallel.py: its DataParallel
-class is imported from there. Each rank builds its models from a different seed (the wrapper's broadcast must
-fix that), trains a few SGD steps on its slice of each global batch, and compares every parameter with a
-single-process reference trained on the whole global batch. Models: a plain MLP, one with a frozen layer,
-one with a branch used every other step and a parameter never used, and one with a shared (tied) weight.
-Rank 0 writes the results to RESULTS.json; a check that stopped at an unfinished TODO records its message.
+class is imported from there. First each of TODOs 1-4 alone, the other three replaced by this file's reference
+code (so a mistake in one TODO fails that TODO's check only): the broadcast (parameters and buffers), the hooks
+(on a model whose gradients complete several buckets at once), the launch, the wait and unpack. Then the whole
+wrapper: each rank builds its models from a different seed (the wrapper's broadcast must fix that), trains a
+few SGD steps on its slice of each global batch, and compares every parameter with a single-process reference
+trained on the whole global batch. Models: a plain MLP, one with a frozen layer, one with a branch used every
+other step and a parameter never used, and one with a shared (tied) weight. Last, TODO 6: the script's
+main() up to its DataLoader, to read which samples each rank's sampler gives it.
+Rank 0 writes the results to RESULTS.json; a check that stopped at an unfinished TODO records its message
+under "stopped", one that raised anything else under "errors".
 """
 
 import importlib.util
@@ -21,10 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 from utils.distributed_utils import destroy_process_group, run_main, setup
 
 STEPS, BATCH, LR = 4, 3, 0.1
+SHARD_ARGS = ["--steps", "1", "--seq-len", "32", "--batch-size", "2"]  # main() stops before it builds a model
 SMALL_BUCKETS_MB = 0.0002  # about 200 bytes: every layer's gradients in buckets of their own
 
 
@@ -38,6 +45,29 @@ def load_lesson(path: str):
 class Mlp(nn.Sequential):
     def __init__(self):
         super().__init__(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+class Buffered(Mlp):
+    """A buffer (state that is not a parameter, like BatchNorm's running mean), drawn from each rank's seed."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("shift", torch.randn(8))
+
+    def forward(self, x):
+        return super().forward(x + self.shift)
+
+
+class Reordered(nn.Module):
+    """Layers registered in the reverse of the order the forward uses them: the buckets (reverse registration
+    order) then fill in the reverse of the order they launch in, and the last hook completes all three."""
+
+    def __init__(self):
+        super().__init__()
+        self.head, self.mid, self.inp = nn.Linear(16, 4), nn.Linear(16, 16), nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
 
 
 class Frozen(Mlp):
@@ -75,12 +105,13 @@ class Tied(nn.Module):
         return self.head(torch.tanh(self.mid(h)))[:, :4]
 
 
-MODELS = {"mlp": Mlp, "frozen": Frozen, "unused": Unused, "tied": Tied}
+MODELS = {"mlp": Mlp, "frozen": Frozen, "unused": Unused, "tied": Tied}  # the parity models
+UNITS = {"buffered": Buffered, "reordered": Reordered}  # used by one TODO's check only
 
 
 def make_model(kind, seed):
     torch.manual_seed(seed)
-    return MODELS[kind]()
+    return {**MODELS, **UNITS}[kind]()
 
 
 def global_batches(world_size, micro_steps):
@@ -122,11 +153,83 @@ def max_diff(model, reference):
 
 
 def attempt(results, key, check):
-    """Run check(); an unfinished TODO (NotImplementedError) is recorded under key instead of raised."""
+    """Run check(); an unfinished TODO (NotImplementedError) is recorded under key instead of raised, and so is
+    any other error (its last line), so that one broken TODO does not take the other TODOs' checks with it."""
     try:
         check()
     except NotImplementedError as error:
-        results.setdefault("stopped", {})[key] = str(error)
+        if str(error).startswith("TODO"):
+            results.setdefault("stopped", {})[key] = str(error)
+        else:
+            results.setdefault("errors", {})[key] = f"NotImplementedError: {error}"
+    except Exception as error:  # reported by the test of the TODO this check belongs to
+        results.setdefault("errors", {})[key] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
+
+
+def local_gradients(model, rank):
+    """Give every trained parameter a gradient of its own on each rank; return the average over ranks of each."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    averages = []
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator)
+        average = p.grad.clone()
+        dist.all_reduce(average, op=dist.ReduceOp.AVG)
+        averages.append(average)
+    return averages
+
+
+def grad_error(model, averages) -> float:
+    """The largest difference, over parameters and ranks, between .grad and the expected average."""
+    return worst(max(float((p.grad - a).abs().max()) for p, a in zip(model.parameters(), averages)))
+
+
+class DeferredAllReduce:
+    """A stand-in for the handle of an asynchronous all-reduce that happens only when waited for: unpacking
+    without wait() then reads the local gradients, on every run, whatever the timing."""
+
+    def __init__(self, flat):
+        self.flat, self.waits = flat, 0
+
+    def wait(self):
+        self.waits += 1
+        if self.waits == 1:
+            dist.all_reduce(self.flat, op=dist.ReduceOp.AVG)
+        return True
+
+
+def reference_launch(model, launched, where):
+    """TODO 3 done right, standing in for the learner's _launch while TODO 2's hooks are checked."""
+
+    def launch(bucket):
+        bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, async_op=True)
+        model.allreduce_bytes += bucket.nbytes
+        model.launch_order.append(bucket.index)
+        model._next_to_launch += 1
+        launched.append((bucket.index, where[0]))
+
+    return launch
+
+
+def reference_finish(model, where):
+    """The end of backward with TODO 4 done right, standing in while TODO 2's hooks are checked."""
+
+    def finish():
+        if not model._syncing:
+            return
+        where[0] = "end of backward"
+        for bucket in model.buckets[model._next_to_launch :]:
+            for p in bucket.params:
+                if id(p) not in bucket.ready:
+                    bucket.put(p)
+            model._launch(bucket)
+        for bucket in model.buckets:
+            bucket.work.wait()
+            bucket.unpack()
+            bucket.ready.clear()
+            bucket.work = None
+        model._next_to_launch, model._syncing = 0, False
+
+    return finish
 
 
 def main():
@@ -135,16 +238,92 @@ def main():
     DataParallel = lesson.DataParallel
     results = {"world_size": world_size, "rank_count": world_size}
 
-    # TODO 1: the broadcast. Each rank starts from its own seed; after wrapping, all must hold rank 0's weights.
+    # TODO 1: the broadcast. Each rank starts from its own seed; after wrapping, all must hold rank 0's weights
+    # and buffers.
     def broadcast():
-        reference = make_model("mlp", seed=0)
-        model = DataParallel(make_model("mlp", seed=rank))
+        reference = make_model("buffered", seed=0)
+        model = DataParallel(make_model("buffered", seed=rank))
         results["broadcast_diff"] = max_diff(model, reference)
+        results["buffer_diff"] = worst(
+            max(float((a - b).abs().max()) for a, b in zip(model.module.buffers(), reference.buffers()))
+        )
 
     attempt(results, "broadcast", broadcast)
 
-    # TODOs 2-3: the hooks launch every bucket during backward, in bucket order, asynchronously.
-    def launches():
+    # TODO 2 alone: the hooks, with TODOs 3 and 4 done by this file's reference code. On the plain MLP each hook
+    # completes at most one bucket; on the reordered model the last hook completes all of them.
+    def hooks():
+        results["hooks"] = {}
+        for kind in ("mlp", "reordered"):
+            model = DataParallel(make_model(kind, seed=0), bucket_cap_mb=SMALL_BUCKETS_MB)
+            launched, where = [], ["hook"]
+            model._launch = reference_launch(model, launched, where)
+            model.finish_gradient_synchronization = reference_finish(model, where)  # what the hook queues
+            x = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(rank))
+            model(x).square().mean().backward()
+            local = make_model(kind, seed=0)
+            local(x).square().mean().backward()
+            errors = []
+            for p, mine in zip(model.module.parameters(), local.parameters()):
+                average = mine.grad.clone()
+                dist.all_reduce(average, op=dist.ReduceOp.AVG)
+                errors.append(float((p.grad - average).abs().max()))
+            orders = [None] * world_size
+            dist.all_gather_object(orders, [index for index, _ in launched])
+            results["hooks"][kind] = {
+                "buckets": len(model.buckets),
+                "from_hooks": sum(w == "hook" for _, w in launched),
+                "orders": orders,
+                "grad_vs_average": worst(max(errors)),
+            }
+
+    attempt(results, "hooks", hooks)
+
+    # TODO 3 alone: _launch called on full buckets, in order, as TODO 2's hooks would.
+    def launch():
+        model = DataParallel(make_model("mlp", seed=0), bucket_cap_mb=SMALL_BUCKETS_MB)
+        averages = local_gradients(model.module, rank)
+        for bucket in model.buckets:
+            for p in bucket.params:
+                bucket.put(p)
+        for bucket in model.buckets:
+            model._launch(bucket)
+        handles = sorted({type(bucket.work).__name__ for bucket in model.buckets})
+        for bucket in model.buckets:
+            if hasattr(bucket.work, "wait"):
+                bucket.work.wait()
+            bucket.unpack()
+        results["launch"] = {
+            "buckets": len(model.buckets),
+            "handles": handles,
+            "allreduce_bytes": model.allreduce_bytes,
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "order": model.launch_order,
+            "next_to_launch": model._next_to_launch,
+            "flat_vs_average": grad_error(model.module, averages),
+        }
+
+    attempt(results, "launch", launch)
+
+    # TODO 4 alone: the end of backward with every bucket full and launched (handles that all-reduce on wait()).
+    def unpack():
+        model = DataParallel(make_model("mlp", seed=0), bucket_cap_mb=SMALL_BUCKETS_MB)
+        averages = local_gradients(model.module, rank)
+        for bucket in model.buckets:
+            for p in bucket.params:
+                bucket.put(p)
+            bucket.work = DeferredAllReduce(bucket.flat)
+        model._syncing, model._next_to_launch = True, len(model.buckets)  # as after TODO 2's hooks
+        model.finish_gradient_synchronization()
+        results["unpack"] = {
+            "grad_vs_average": grad_error(model.module, averages),
+            "buckets_reset": all(b.work is None and not b.ready for b in model.buckets),
+        }
+
+    attempt(results, "unpack", unpack)
+
+    # TODOs 1-4 together: the hooks launch every bucket during backward, in bucket order, asynchronously.
+    def together():
         model = DataParallel(make_model("mlp", seed=0), bucket_cap_mb=SMALL_BUCKETS_MB)
         handles = []
         launch = model._launch
@@ -158,7 +337,7 @@ def main():
         model(x).square().mean().backward()
         orders = [None] * world_size
         dist.all_gather_object(orders, model.launch_order)
-        results["launch"] = {
+        results["together"] = {
             "buckets": len(model.buckets),
             "overlapped": model.buckets_overlapped,
             "orders": orders,
@@ -175,9 +354,9 @@ def main():
             average = mine.grad.clone()
             dist.all_reduce(average, op=dist.ReduceOp.AVG)
             errors.append(float((p.grad - average).abs().max()))
-        results["launch"]["grad_vs_average"] = worst(max(errors))
+        results["together"]["grad_vs_average"] = worst(max(errors))
 
-    attempt(results, "launch", launches)
+    attempt(results, "together", together)
 
     # Parity: N ranks with batch b take the same SGD steps as one process with batch N*b, for every model.
     wrappers = {
@@ -207,6 +386,41 @@ def main():
                     del model  # DDP holds the process group: free it before the group goes
 
                 attempt(results, key, parity)
+
+    # TODO 6: which samples each rank reads in an epoch. main() runs up to its DataLoader, which records the
+    # loader's sampler and stops the script there (nothing trains).
+    def shard():
+        recorded = {}
+
+        class Recorded(Exception):
+            pass
+
+        def recording_loader(*args, **kwargs):
+            recorded["loader"] = DataLoader(*args, **kwargs)
+            raise Recorded
+
+        lesson.DataLoader = recording_loader
+        argv, sys.argv = sys.argv, [sys.argv[1], *SHARD_ARGS]
+        try:
+            lesson.main()
+        except Recorded:
+            pass
+        finally:
+            sys.argv = argv
+        loader = recorded["loader"]
+        mine = [int(i) for i in loader.sampler]  # the epoch's samples for this rank, in order
+        shards = [None] * world_size
+        dist.all_gather_object(shards, mine)
+        seen = [set(shard) for shard in shards]
+        results["shard"] = {
+            "samples": len(loader.dataset),
+            "sampler": type(loader.sampler).__name__,
+            "per_rank": [len(shard) for shard in shards],
+            "read_twice": sum(len(shard) for shard in seen) - len(set().union(*seen)),
+            "read": len(set().union(*seen)),
+        }
+
+    attempt(results, "shard", shard)
     if rank == 0:
         Path(sys.argv[2]).write_text(json.dumps(results, indent=2))
     destroy_process_group()
