@@ -2,8 +2,8 @@
 
 The options are read from each script's own parser (its main() is called with parse_args replaced, so nothing
 trains and no process group starts). Each option must be either
-  - checked: EFFECTS names the test in tests/test_NN_*.py that passes it (the option is written in that test's
-    source) and asserts what it changes; or
+  - checked: EFFECTS names the test in tests/test_NN_*.py (or the check function a test calls) that passes it
+    (the option is written in that function's source) and asserts what it changes; or
   - refused: a shared option the script leaves out of its parser (base_parser(without=...)) or an option listed
     in REFUSED; passing it ends the script at once with one line naming it.
 A new option that is in neither fails below, naming it and what to do. This file runs no training: it reads
@@ -40,8 +40,8 @@ EFFECTS = {
     "02": {
         **{option: SHARED_RUN for option in SHARED_OPTIONS},
         "--autocast": "test_autocast_bf16_is_honoured_as_in_lesson_00",
-        "--ddp": "test_todo7_ddp_wrap_matches_single_process",
-        "--grad-accum": "test_todo9_no_sync_accumulation_matches_one_large_batch",
+        "--ddp": "check_todo7",  # called by test_todo7_each_ddp_option_gets_its_wrapper
+        "--grad-accum": "check_todo9",  # called by test_todo9_no_sync_accumulation_matches_one_large_batch
         "--bucket-cap-mb": "test_bytes_on_the_wire_per_step",
         "--lr-scaling": SHARED_RUN,
         "--trace": SHARED_RUN,
@@ -172,7 +172,7 @@ def test_files(lesson: str) -> list:
 
 
 def source_of_test(lesson: str, name: str) -> str | None:
-    """The source of test function `name` (with its decorators) in the lesson's test files, or None."""
+    """The source of test or check function `name` (with its decorators) in the lesson's test files, or None."""
     for path in test_files(lesson):
         text = path.read_text()
         for node in ast.parse(text).body:
@@ -202,6 +202,16 @@ def test_every_option_is_checked_or_refused(lesson, option):
     assert f'"{option}"' in source, (
         f"{script} {option}: {name} in {tests} does not pass {option} (the option is not written in its source)"
     )
+    if not name.startswith("test_"):  # a check function: some test must call it, or it checks nothing
+        tests_calling = [
+            node.name
+            for path in test_files(lesson)
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+            for call in ast.walk(node)
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) == name
+        ]
+        assert tests_calling, f"{script} {option}: EFFECTS names {name}, which no test in {tests} calls"
 
 
 @pytest.mark.parametrize("lesson", list(EFFECTS))
