@@ -166,14 +166,14 @@ def refused(lesson: str) -> dict:
     return {**{option: SAMPLE_VALUE.get(option, "1") for option in sorted(left_out)}, **REFUSED.get(lesson, {})}
 
 
-def test_files(lesson: str) -> list:
+def lesson_test_files(lesson: str) -> list:
     """The lesson's test files: tests/test_NN_topic.py, or one per part (lesson 09: test_09_context.py, ...)."""
     return sorted((ROOT / "tests").glob(f"test_{lesson}_*.py"))
 
 
 def source_of_test(lesson: str, name: str) -> str | None:
     """The source of test or check function `name` (with its decorators) in the lesson's test files, or None."""
-    for path in test_files(lesson):
+    for path in lesson_test_files(lesson):
         text = path.read_text()
         for node in ast.parse(text).body:
             if isinstance(node, ast.FunctionDef) and node.name == name:
@@ -187,7 +187,7 @@ ALL_OPTIONS = [(lesson, option) for lesson in SCRIPTS for option in options_of(l
 
 @pytest.mark.parametrize("lesson, option", ALL_OPTIONS, ids=[f"{lesson}{option}" for lesson, option in ALL_OPTIONS])
 def test_every_option_is_checked_or_refused(lesson, option):
-    script, tests = SCRIPTS[lesson].name, " or ".join(str(p.relative_to(ROOT)) for p in test_files(lesson))
+    script, tests = SCRIPTS[lesson].name, " or ".join(str(p.relative_to(ROOT)) for p in lesson_test_files(lesson))
     assert option not in refused(lesson), f"{script} {option}: listed as refused, yet its parser accepts it"
     name = EFFECTS.get(lesson, {}).get(option)
     if name is None and lesson in PENDING:
@@ -205,7 +205,7 @@ def test_every_option_is_checked_or_refused(lesson, option):
     if not name.startswith("test_"):  # a check function: some test must call it, or it checks nothing
         tests_calling = [
             node.name
-            for path in test_files(lesson)
+            for path in lesson_test_files(lesson)
             for node in ast.parse(path.read_text()).body
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
             for call in ast.walk(node)
