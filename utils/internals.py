@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Internal:
-    name: str  # a dotted path from `torch`; "expr:..." an expression; "env:NAME" a variable torch reads
+    name: str  # a dotted path from `torch`; "expr:..." an expression; "env:NAME" a variable torch reads;
+    # "source:module:identifier" an instance attribute the module's code still sets
     where: str  # which course files use it
     why: str
     public_alternative: str
@@ -55,6 +56,72 @@ INTERNALS = [
         "torch.profiler with record_function around step(), without per-micro-batch detail",
     ),
     Internal(
+        "torch.distributed.pipelining.stage._PipelineStageBase.backward_one_chunk",
+        "utils/pipeline_timing.py (lesson 05's schedule chart)",
+        "time each backward of the built-in schedules, as forward_one_chunk above",
+        "torch.profiler with record_function around step(), without per-micro-batch detail",
+    ),
+    Internal(
+        "source:torch.distributed.pipelining.schedules:_stages",
+        "utils/pipeline_timing.py (schedule._stages, or schedule._stage for a single-stage schedule)",
+        "find the stages a built-in schedule runs, to time them",
+        "keep the PipelineStage objects given to the schedule and wrap those",
+    ),
+    Internal(
+        "torch._ops.HigherOrderOperator",
+        "utils/collective_counter.py",
+        "let higher-order operators (which call other ops) pass through the counting mode",
+        "CommDebugMode's counts",
+    ),
+    Internal(
+        "expr:torch.ops.aten.add.Tensor._overloadpacket.__name__",
+        "utils/collective_counter.py",
+        "an op's name without its overload (all_reduce_.default -> all_reduce_), to look it up in KINDS",
+        "str(func).split('.') on the op's printed name",
+    ),
+    Internal(
+        "source:torch.distributed.tensor._api:_local_tensor",
+        "utils/grid.py (lesson 06: is a DTensor's local shard a view of a larger buffer?)",
+        "read a DTensor's local shard without the autograd wrapper that to_local() adds",
+        "DTensor.to_local() under torch.no_grad()",
+    ),
+    Internal(
+        "expr:torch.ones(1)._base",
+        "utils/grid.py (lesson 06: a view's base buffer)",
+        "tell a view from a tensor that owns its storage",
+        "tensor.untyped_storage().data_ptr() compared with the tensor's own data_ptr()",
+    ),
+    Internal(
+        "torch.distributed.tensor.experimental._attention._cp_options",
+        "lesson 09's built-in context parallelism (solutions/09_context_and_experts.py or utils/compat.py)",
+        "choose the causal load balancing of context_parallel (the public API has no switch for it)",
+        "none in torch 2.11-2.13: the default options",
+    ),
+    Internal(
+        "torch.distributed.tensor.experimental._attention.set_rotate_method",
+        "lesson 09's built-in context parallelism (solutions/09_context_and_experts.py or utils/compat.py)",
+        "pass keys and values around the ring (the from-scratch lesson's method) instead of all-gathering them",
+        "none in torch 2.11-2.13: the default (all-gather)",
+    ),
+    Internal(
+        "torch.distributed._functional_collectives",
+        "tests/workers/collective_counter_check.py (the counter's self-check)",
+        "issue a functional collective as DTensor and FSDP2 do, to check that the counter sees it",
+        "a DTensor redistribute, which issues one (less direct)",
+    ),
+    Internal(
+        "env:TORCHELASTIC_USE_AGENT_STORE",
+        "utils/warm_ranks.py (the test suite's warm ranks set what torchrun sets)",
+        "ranks connect to the store their launcher hosts, as under torchrun's agent",
+        "run the tests cold (COURSE_COLD_RANKS=1): torchrun sets it itself",
+    ),
+    Internal(
+        "env:TORCHELASTIC_SIGNALS_TO_HANDLE",
+        "utils/warm_ranks.py (the test suite's warm ranks set what torchrun sets)",
+        "the signals a worker forwards, as torchrun passes them",
+        "run the tests cold (COURSE_COLD_RANKS=1): torchrun sets it itself",
+    ),
+    Internal(
         "env:TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
         "solutions/08_fault_tolerance.py, slurm/08_fault_tolerance*.sbatch, tests (restarted workers)",
         "restarted workers get a fresh TCP store, not the dead workers' addresses (undocumented torchrun variable)",
@@ -66,9 +133,16 @@ INTERNALS = [
 def resolve(name: str):
     """The object a dotted path names (AttributeError/ImportError when a release removed it)."""
     import importlib
+    import importlib.util
 
     if name.startswith("expr:"):  # an attribute that only instances have
         return eval(name[5:], {"torch": importlib.import_module("torch")})
+    if name.startswith("source:"):  # an instance attribute set in a module's code: its name must still be there
+        module_name, identifier = name[7:].split(":")
+        source = importlib.util.find_spec(module_name).origin
+        if identifier not in open(source).read():
+            raise AttributeError(f"{module_name} no longer mentions {identifier}")
+        return identifier
 
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):  # the longest importable module prefix, then attributes
