@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed_utils import destroy_process_group, is_root_process, print0, run_main, setup
-from utils.measured import others_loaded
+from utils.measured import loaded_and_warned
 from utils.metrics import write_metrics
 from utils.training import CourseArgumentParser, parse_args, positive_int
 
@@ -302,7 +302,7 @@ def save_reference(path: Path, rows: list[dict], args, device, load_before: floa
         "rounds": args.steps,
         "machine": machine_description(device),
         "load_average_1min": {"before": load_before, "after": load_after},
-        "loaded": others_loaded(load_before, load_after, dist.get_world_size()),  # other jobs shared the cores
+        "loaded": loaded_and_warned(load_before, load_after, dist.get_world_size(), path),  # others on the cores?
         "rows": rows,
     }
     reference["runs"] = dict(sorted(runs.items(), key=lambda item: int(item[0])))

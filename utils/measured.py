@@ -54,3 +54,18 @@ def others_loaded(before: float, after: float, ours: int) -> bool:
     """Did other jobs share the cores? `before`: the load average before our processes ran (or as they started);
     `after`: right after, when up to `ours` of the runnable processes it counts were our own."""
     return max(before, after - ours) > QUIET
+
+
+def loaded_and_warned(before: float, after: float, ours: int, path) -> bool:
+    """others_loaded(), and when it is true a loud line on stderr: the figures written to `path` were taken while
+    other jobs shared the cores, and the file is marked `"loaded": true` (notebooks label such figures)."""
+    loaded = others_loaded(before, after, ours)
+    if loaded:
+        print(
+            f"WARNING: load average {before:.1f} before and {after:.1f} after ({ours} processes of ours, "
+            f"{os.cpu_count()} cores): other jobs shared the cores; {path} is marked loaded, not the machine's speed. "
+            "Measure again on a quiet machine.",
+            file=sys.stderr,
+            flush=True,
+        )
+    return loaded

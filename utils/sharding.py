@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from utils.data import map_tokens, write_token_file
-from utils.measured import others_loaded, wait_until_quiet
+from utils.measured import loaded_and_warned, wait_until_quiet
 
 
 def _rank_and_world(rank, world_size):
@@ -446,7 +446,7 @@ def throughput_benchmark(world_sizes, runs: int, steps: int, out: Path) -> dict:
         },
         # More load than our own ranks explain means other jobs shared the cores: not the machine's speed then.
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
-        "loaded": others_loaded(load_before, os.getloadavg()[0], max(world_sizes)),
+        "loaded": loaded_and_warned(load_before, os.getloadavg()[0], max(world_sizes), out),
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d"),
         "world_sizes": list(world_sizes),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from utils.measured import cpu_name, others_loaded, wait_until_quiet
+from utils.measured import cpu_name, loaded_and_warned, wait_until_quiet
 from utils.notebook import torchrun
 
 SCRIPT = "solutions/06_3d_parallelism.py"
@@ -43,7 +43,7 @@ def main(out: Path):
         "what": "solutions/06_3d_parallelism.py at a fixed global batch on 1, 2, 4 CPU processes (gloo)",
         "machine": {"cpu": cpu_name(), "cores": cores, "os": f"{platform.system()} {platform.release()}"},
         "load_average_1min": {"before": load_before, "after": load_after},
-        "loaded": others_loaded(load_before, load_after, max(nproc for nproc, _ in SWEEP)),
+        "loaded": loaded_and_warned(load_before, load_after, max(nproc for nproc, _ in SWEEP), out),
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d"),
         "command": f"OMP_NUM_THREADS=1 python -m tests.workers.three_d_notebook_scaling {out}",
