@@ -4,8 +4,9 @@ Rank r holds stage r: a contiguous slice of model.blocks (the embeddings on the 
 head and the loss on the last). Each batch is split into --microbatches micro-batches; activations travel forward
 from rank to rank and their gradients backward. A schedule says in which order each rank runs its forwards (F) and
 backwards (B): GPipe (all F, then all B) or 1F1B (a few F, then one F one B, then the remaining B). Gradients add
-up over the micro-batches and the optimizer steps once per batch, so p stages with m micro-batches train exactly
-like one process on the whole batch (lesson 00). The number of stages is the world size (twice it, interleaved).
+up over the micro-batches and the optimizer steps once per batch, so p stages with m micro-batches train like one
+process on the whole batch (lesson 00), to float32 rounding: the gradients add up in another order. The number
+of stages is the world size (twice it, interleaved).
 The built-in zero-bubble schedules (interleaved-zb, zbv) also split each backward into the input's gradient (B),
 which the previous stage waits for, and the weights' gradient (W), which can wait and fill the idle time.
 
@@ -32,9 +33,18 @@ from torch import nn
 
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.faults import crash_before_backward
 from utils.metrics import SavedActivations, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
-from utils.pipeline_plumbing import batches, check_stages, full_parameters, refuse_layout, report, summarise
+from utils.pipeline_plumbing import (
+    batches,
+    check_stages,
+    full_parameters,
+    refuse_layout,
+    report,
+    schedule_order,
+    summarise,
+)
 from utils.pipeline_timing import bubble_sweep, now, record_builtin_timings
 from utils.training import (
     Logger,
@@ -298,7 +308,7 @@ def exchange(batch, buffers: dict, shape, device: torch.device):
         work.wait()
 
 
-def run_steps(stage, steps, *, rank, n_stages, inputs, targets, activation_shape, device, saved=None, crash=False):
+def run_steps(stage, steps, *, rank, n_stages, inputs, targets, activation_shape, device, saved=None):
     """Run one batch's step list on this rank. `inputs` (first stage) and `targets` (last stage) are lists of
     micro-batches. Returns (losses of the micro-batches on the last stage, timeline [(kind, mb, start, end, stage)],
     bytes one micro-batch's forward leaves saved for backward, measured when `saved` is given)."""
@@ -310,9 +320,6 @@ def run_steps(stage, steps, *, rank, n_stages, inputs, targets, activation_shape
     t0 = time.perf_counter()
     for i, (kind, mb) in enumerate(steps):
         exchange(plan[i], buffers, activation_shape, device)
-        if crash and kind == "B":  # --crash-at-step: this rank dies in the middle of the schedule
-            print(f"[rank {rank}] crashing on purpose before B{mb} (--crash-at-step)", file=sys.stderr, flush=True)
-            os._exit(3)
         start = now(device)
         if kind == "F":
             before = saved.current_bytes if saved is not None else 0
@@ -424,7 +431,7 @@ def build_pipeline(args, rank: int, world_size: int, device: torch.device, sched
     return pipeline, names
 
 
-def train_step(pipeline: Pipeline, inputs, targets, *, rank, world_size, device, saved=None, crash=False):
+def train_step(pipeline: Pipeline, inputs, targets, *, rank, world_size, device, saved=None):
     """One batch through the pipeline (forward and backward, no optimizer step). Returns (the batch's mean loss
     on the last stage, else 0; this rank's timeline or None; one micro-batch's saved bytes or None)."""
     m = pipeline.n_microbatches
@@ -444,7 +451,7 @@ def train_step(pipeline: Pipeline, inputs, targets, *, rank, world_size, device,
     micro_targets = [chunk.clone() for chunk in targets.chunk(m)] if pipeline.last else None
     losses, timeline, microbatch_bytes = run_steps(
         pipeline.modules[0], pipeline.steps, rank=rank, n_stages=world_size, inputs=micro_inputs,
-        targets=micro_targets, activation_shape=pipeline.activation_shape, device=device, saved=saved, crash=crash,
+        targets=micro_targets, activation_shape=pipeline.activation_shape, device=device, saved=saved,
     )  # fmt: skip
     loss = torch.stack(losses).sum() if pipeline.last else torch.zeros((), device=device)
     return loss, timeline, microbatch_bytes
@@ -468,11 +475,13 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
         # Every rank starts the schedule together, so the timelines share one origin. (With NCCL, a collective
         # before the first batch_isend_irecv also lets that call involve only some ranks of the group.)
         dist.barrier()
+        if step == args.crash_at_step and rank == world_size - 1:  # tests only: a rank dies mid-schedule
+            crash_before_backward(pipeline.modules[-1], rank)
         # Activation bytes are counted in the first step only: the hooks run on every saved tensor and cost time.
         with SavedActivations(exclude=params) if step == 1 else nullcontext() as saved:
             loss, timeline, bytes_one = train_step(
                 pipeline, inputs.to(device), targets.to(device), rank=rank, world_size=world_size, device=device,
-                saved=saved, crash=step == args.crash_at_step and rank == world_size - 1,
+                saved=saved,
             )  # fmt: skip
         if saved is not None:
             peak, microbatch_bytes = saved.peak_bytes, bytes_one
@@ -511,13 +520,14 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
         dataset=args.dataset,
         pp_impl=args.pp_impl,
         partition=partition(args.n_layers, pipeline.n_stages),
+        schedule_order=schedule_order(pipeline.builtin),  # built-in: torch's order of F, I, W, B on every rank
     )
     del optimizer, params, pipeline
     return metrics
 
 
 def main():
-    parser = base_parser(__doc__.splitlines()[0], without=("--autocast",))  # fp32 only: parity is exact
+    parser = base_parser(__doc__.splitlines()[0], without=("--autocast",))  # fp32 only: parity is checked in fp32
     parser.add_argument("--pp-impl", choices=["scratch", "builtin"], default="scratch", help="which pipeline")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="gpipe and 1f1b: both --pp-impl")
     parser.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per --batch-size batch")

@@ -1,4 +1,5 @@
-"""Lesson 05: pipeline stages with micro-batches train exactly like one process, with the bubble the formula says.
+"""Lesson 05: pipeline stages with micro-batches train like one process (to float32 rounding), with the bubble the
+formula says.
 
 pytest tests/test_05_pipeline_parallel.py                      # the solution
 pytest tests/test_05_pipeline_parallel.py --target exercises   # your exercise (make check LESSON=05)
@@ -25,8 +26,9 @@ from tests.launch import ROOT, course_env, finished, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext, passed
 from utils.distributed_utils import CourseError
 from utils.make_exercises import make_exercise
-from utils.model import ModelConfig, build_model, loss_fn
+from utils.model import ModelConfig, build_model, flops_per_token, loss_fn
 from utils.pipeline_lab import HINT, check_warmups, failure
+from utils.pipeline_plumbing import cost_aware_partition, forward_flops_per_token, simulate_order, stage_costs
 from utils.pipeline_timing import SWEEP_MICROBATCHES, measured_bubble, rendezvous_completes
 
 TOLERANCE = 1e-6  # fp32, SGD: stages and one process differ only by the order of additions
@@ -329,6 +331,45 @@ def test_measured_bubble_is_none_when_nothing_was_recorded():
     assert measured_bubble([[("F", 0, 0.0, 1.0, 0)], [("F", 0, 1.0, 2.0, 1)]]) == pytest.approx(0.5)
 
 
+def test_simulate_order_gives_the_formulas_and_a_split_backward_idles_less():
+    """The ideal-machine simulator of built-in orders (utils.pipeline_plumbing), against definitions and by hand."""
+    unit = {"F": 1, "B": 2, "I": 1, "W": 1}
+    for p in range(1, 6):
+        for m in range(1, 9):
+            orders = [[(kind, r, mb) for kind, mb in reference_step_lists(p, m, "1f1b", r)] for r in range(p)]
+            _, idle = simulate_order(orders, p, lambda kind, stage: unit[kind])
+            assert idle == Fraction(p - 1, m + p - 1), f"1F1B p={p} m={m}: {idle}"
+    # p = 2, m = 2, each backward split into I and W; rank 1 defers its W's to the end. By hand: rank 0 idles from 2
+    # to 3, rank 1 from 0 to 1, both end at 7: 2 of 14 units, against 1F1B's 1/3.
+    split = [
+        [("F", 0, 0), ("F", 0, 1), ("I", 0, 0), ("W", 0, 0), ("I", 0, 1), ("W", 0, 1)],
+        [("F", 1, 0), ("I", 1, 0), ("F", 1, 1), ("I", 1, 1), ("W", 1, 0), ("W", 1, 1)],
+    ]
+    timelines, idle = simulate_order(split, 2, lambda kind, stage: unit[kind])
+    assert idle == Fraction(1, 7) and max(end for t in timelines for _, _, _, end, _ in t) == 7, timelines
+    with pytest.raises(RuntimeError, match="no rank can go on"):  # rank 0 waits for a gradient before its forward
+        simulate_order([[("I", 0, 0), ("F", 0, 0)], [("F", 1, 0), ("I", 1, 0)]], 2, lambda kind, stage: 1)
+
+
+def test_cost_aware_partition_is_the_best_cut_and_never_slower_than_equal_blocks():
+    """Against every contiguous cut (brute force), with heavy and light first and last stages."""
+    from itertools import combinations
+
+    for n_layers in range(1, 8):
+        for n_stages in range(1, n_layers + 1):
+            for first, last in [(0, 0), (0, 3), (2, 5), (7, 0)]:
+                blocks = [1 + (i % 3) for i in range(n_layers)]  # blocks of unequal cost too
+                cuts = [list(zip((0, *c), (*c, n_layers))) for c in combinations(range(1, n_layers), n_stages - 1)]
+                best = min(max(stage_costs(ranges, blocks, first, last)) for ranges in cuts)
+                ranges = cost_aware_partition(blocks, n_stages, first, last)
+                assert ranges in cuts, ranges
+                assert max(stage_costs(ranges, blocks, first, last)) == best, (n_layers, n_stages, first, last, ranges)
+    for config in (ModelConfig(), ModelConfig(seq_len=32, dim=32, n_layers=4, n_heads=2, vocab_size=32_000)):
+        pieces = forward_flops_per_token(config)
+        total = pieces["embedding"] + config.n_layers * pieces["block"] + pieces["head"]
+        assert 3 * total == flops_per_token(config), pieces  # forward x 3 = the course's training estimate
+
+
 def test_stage_placement_holds_every_stage_once(script):
     """Loop placement (interleaved): rank r holds r and r + p; ZBV's V: r and 2p - 1 - r."""
     for schedule in script.SCHEDULES:
@@ -428,6 +469,27 @@ def test_todo7_builtin_schedules_match_lesson_00(run, baseline, needs, name):
         for timeline in metrics["timeline"]:
             assert sorted({kind for kind, *_ in timeline}) == sorted(kinds), timeline
             assert len(timeline) == len(kinds) * metrics["microbatches"] * metrics["stages_per_rank"], timeline
+
+
+@pytest.mark.parametrize("name", ["builtin_interleaved2", "builtin_zbv2"])
+def test_builtin_order_in_the_metrics_runs_every_action_once_and_gives_its_bubble(run, script, needs, name):
+    """`schedule_order`: torch's own order (pipeline_order) of the multi-stage runs, on the ideal machine."""
+    needs(1)
+    metrics = finished(run(name)[0], 7)
+    order, p, m = metrics["schedule_order"], metrics["world_size"], metrics["microbatches"]
+    if order is None:
+        pytest.skip(f"torch {torch.__version__}: {metrics['schedule']} has no pipeline_order")
+    kinds = ["F", "I", "W"] if metrics["schedule"] == "zbv" else ["F", "B"]
+    for rank, actions in enumerate(order):
+        expected = [[kind, stage, mb] for stage in script.stage_indices(metrics["schedule"], rank, p)
+                    for kind in kinds for mb in range(m)]  # fmt: skip
+        assert sorted(actions) == sorted(expected), f"{name} rank {rank}: {actions}"
+    _, idle = simulate_order(order, metrics["stages"], lambda kind, stage: {"F": 1, "I": 1, "W": 1, "B": 2}[kind])
+    if metrics["schedule"] == "interleaved":
+        assert idle == Fraction(p - 1, 2 * m + p - 1), idle
+    else:
+        assert idle < Fraction(p - 1, m + p - 1), f"ZBV idles {idle}, no less than 1F1B"
+    assert finished(run("builtin_gpipe2")[0], 7)["schedule_order"] is None  # single-stage: no order of its own
 
 
 def test_todo6_activation_memory_gpipe_grows_with_m_1f1b_bounded_by_p(run, needs):

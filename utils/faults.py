@@ -1,4 +1,7 @@
-"""Fault injection for lesson 08's tests and notebook: kill a rank the way a failure does, slow a step or a save.
+"""Fault injection for the tests and notebooks: kill a rank the way a failure does, slow a step or a save.
+
+Lesson 08 kills a rank between steps (`crash`); lesson 05 kills one in the middle of a pipeline schedule
+(`crash_before_backward`), while its neighbours wait for its tensors.
 
 None of this is part of the technique: a real job is killed by the kernel, a failed node or the scheduler, and
 saves slowly because its model is large. These helpers let a test make each of those happen at a chosen moment
@@ -7,6 +10,7 @@ on a tiny model, in seconds.
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +23,17 @@ def crash(rank: int, where: str, checkpoint_dir: Path):
     (checkpoint_dir / KILLED_AT).write_text(f"{time.time()!r}\n")
     print(f"[rank {rank}] killed with SIGKILL {where}\n", end="", flush=True)  # one write: whole among the ranks' lines
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_before_backward(module, rank: int):
+    """Make this process exit (code 3) when the next backward reaches `module`'s output: in the middle of a
+    pipeline schedule, after its forwards, while a neighbour waits for the gradient this rank would send."""
+
+    def exit_now(*_):
+        print(f"[rank {rank}] crashing on purpose before a backward (--crash-at-step)", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    module.register_full_backward_pre_hook(exit_now)
 
 
 def seconds_since_kill(checkpoint_dir: Path) -> float | None:

@@ -3,8 +3,14 @@
 - `check_stages`, `refuse_layout`: refuse a layout that cannot run, in one line, before any rank waits;
 - `full_parameters`: every stage's parameters gathered into the full model's state dict, and its checksum;
 - `summarise`, `report`: the run's metrics from every rank's records, and the lines rank 0 prints;
-- `batches`: endless batches from a loader, as lesson 00 takes them.
+- `batches`: endless batches from a loader, as lesson 00 takes them;
+- `schedule_order`, `simulate_order`: a built-in schedule's own order of F, I, W and B on every rank, and its
+  bubble on an ideal machine (the notebook's zero-bubble section);
+- `forward_flops_per_token`, `cost_aware_partition`, `stage_costs`: stages balanced in compute, not in blocks
+  (the notebook's last section).
 """
+
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -123,3 +129,121 @@ def batches(loader):
     """Endless batches: start another pass over the data whenever one ends (as lesson 00 does)."""
     while True:
         yield from loader
+
+
+# --------------------------------------------------------------------------------------------------
+# Zero bubble: a built-in schedule's order of actions, run on an ideal machine
+# --------------------------------------------------------------------------------------------------
+
+COMPUTE = ("F", "I", "W", "B")  # forward; backward split into input's (I) and weights' (W) gradient; B: both at once
+
+
+def schedule_order(schedule) -> list[list[tuple[str, int, int]]] | None:
+    """Each rank's computations, in the order a built-in multi-stage schedule runs them: [(kind, stage, micro-batch)]
+    with kind in COMPUTE. Read from the schedule's `pipeline_order` (every rank computes every rank's), without its
+    empty slots and communication actions. None for a single-stage schedule (its `pipeline_order`, where it has one,
+    is only a picture: it does not drive the run) or where torch has no such attribute."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    order = getattr(schedule, "pipeline_order", None)
+    if not isinstance(schedule, PipelineScheduleMulti) or not order:
+        return None
+    kind = lambda action: getattr(action.computation_type, "value", str(action.computation_type))  # noqa: E731
+    return [
+        [(kind(a), a.stage_index, a.microbatch_index) for a in order[rank] if a is not None and kind(a) in COMPUTE]
+        for rank in sorted(order)
+    ]
+
+
+def simulate_order(orders, n_stages: int, cost) -> tuple[list, Fraction]:
+    """Run each rank's list of (kind, stage, micro-batch) in order on an ideal machine: communication is free and
+    an action takes cost(kind, stage). F(s, i) waits for F(s - 1, i); I or B(s, i) for I or B(s + 1, i) (on the last
+    stage, for its F(s, i)); W(s, i) for I(s, i). Returns (each rank's timeline [(kind, i, start, end, stage)], idle
+    fraction of the ranks x makespan rectangle). Raises RuntimeError when no rank can go on (a deadlock)."""
+    ended: dict[tuple[str, int, int], Fraction] = {}  # ("F" or "I", stage, mb) -> end time; a B ends its I too
+    position, clock = [0] * len(orders), [Fraction(0)] * len(orders)
+    timelines: list[list] = [[] for _ in orders]
+
+    def waits_for(kind, stage, mb):
+        if kind == "F":
+            return ("F", stage - 1, mb) if stage > 0 else None
+        if kind == "W":
+            return ("I", stage, mb)
+        return ("I", stage + 1, mb) if stage < n_stages - 1 else ("F", stage, mb)
+
+    while any(position[r] < len(order) for r, order in enumerate(orders)):
+        progressed = False
+        for rank, order in enumerate(orders):
+            while position[rank] < len(order):
+                kind, stage, mb = order[position[rank]]
+                needs = waits_for(kind, stage, mb)
+                if needs is not None and needs not in ended:
+                    break
+                start = max(clock[rank], ended.get(needs, Fraction(0)))
+                clock[rank] = start + cost(kind, stage)
+                ended["I" if kind == "B" else kind, stage, mb] = clock[rank]
+                timelines[rank].append((kind, mb, start, clock[rank], stage))
+                position[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = {rank: order[position[rank]] for rank, order in enumerate(orders) if position[rank] < len(order)}
+            raise RuntimeError(f"no rank can go on; each waits at {stuck}")
+    makespan = max(clock)
+    busy = sum(end - start for timeline in timelines for _, _, start, end, _ in timeline)
+    return timelines, 1 - busy / (len(orders) * makespan)
+
+
+# --------------------------------------------------------------------------------------------------
+# Cost-aware partitioning: the embeddings and the head are not blocks
+# --------------------------------------------------------------------------------------------------
+
+
+def forward_flops_per_token(config) -> dict[str, int]:
+    """Forward FLOPs per token of each piece of the course's model (2 per multiply-add of a matrix product):
+    the embeddings 0 (a table lookup), one block 2 (4 d^2 + 2 d h) for its six projections plus 2 x 2 x T x d for
+    the attention scores and their weighted sum, the head 2 d V (the norms and the loss are O(d) and O(V): left
+    out, as utils.model.flops_per_token leaves them out; three times the sum is that training estimate)."""
+    d, hidden = config.dim, config.mlp_ratio * config.dim
+    return {
+        "embedding": 0,
+        "block": 2 * (4 * d * d + 2 * d * hidden) + 2 * 2 * config.seq_len * d,
+        "head": 2 * d * config.vocab_size,
+    }
+
+
+def stage_costs(ranges, block_costs, first_extra, last_extra) -> list:
+    """Each stage's cost: its blocks', plus the embeddings' on the first stage and the head's on the last."""
+    costs = [sum(block_costs[start:end]) for start, end in ranges]
+    costs[0] += first_extra
+    costs[-1] += last_extra
+    return costs
+
+
+def cost_aware_partition(block_costs, n_stages: int, first_extra=0, last_extra=0) -> list[tuple[int, int]]:
+    """Contiguous block ranges [start, end), at least one block per stage, that make the slowest stage as fast as
+    possible when the first stage also pays `first_extra` (embeddings) and the last `last_extra` (norm, head, loss).
+    Dynamic programming: best[s][n] holds the first n blocks cut into s stages with the smallest stage costs, sorted
+    from the slowest down and compared in that order (the bottleneck first); among equal cuts, later stages get fewer
+    blocks."""
+    n_layers = len(block_costs)
+    check_stages(n_layers, n_stages)
+    prefix = [0]
+    for cost in block_costs:
+        prefix.append(prefix[-1] + cost)
+
+    def cost(start, end):
+        return prefix[end] - prefix[start] + (first_extra if start == 0 else 0) + (last_extra if end == n_layers else 0)
+
+    # (stage costs sorted from the slowest down, minus where the last stage starts)
+    best = {(1, n): ((cost(0, n),), 0) for n in range(1, n_layers + 1)}
+    for s in range(2, n_stages + 1):
+        for n in range(s, n_layers + 1):
+            best[s, n] = min(
+                (tuple(sorted((*best[s - 1, k][0], cost(k, n)), reverse=True)), -k) for k in range(s - 1, n)
+            )
+    ranges, end = [], n_layers
+    for s in range(n_stages, 0, -1):
+        start = -best[s, end][1]
+        ranges.append((start, end))
+        end = start
+    return ranges[::-1]
