@@ -24,6 +24,8 @@ from utils.planner import (
     inside_one_node,
     plan,
     predict,
+    rank_model_state,
+    rank_parameter_shapes,
     stage_activation_bytes,
 )
 
@@ -45,6 +47,37 @@ def test_model_state_is_utils_memory_for_the_stage_shard():
     # By hand: ZeRO-3 over 2 ranks of a tp=4 x pp=8 shard, 2 + 2 + 12 bytes per parameter.
     layout = Layout(2, 4, 8, 1, 512, zero=3)
     assert sum(predict(LLAMA70, H100x64, layout).model_state.values()) == 16 * 70e9 / 32 / 2
+
+
+def test_a_ranks_own_slice_of_the_course_model():
+    """rank_parameter_shapes against the course's model itself cut into lesson 05's stages (tp = 1), and what tensor
+    parallelism changes: only q/k/v/up (by rows, with their biases) and o/down's weights (by columns) shrink."""
+    from utils.lessons import lesson
+    from utils.model import ModelConfig, build_model
+
+    for dim, layers, heads, seq_len in [(32, 4, 2, 32), (24, 3, 3, 16), (16, 5, 4, 8)]:
+        config = ModelConfig(dim=dim, n_layers=layers, n_heads=heads, seq_len=seq_len)
+        model = Model(0, layers, dim, heads, config.vocab_size, seq_len)
+        for pp in range(1, layers + 1):
+            for stage in range(pp):
+                real = lesson("05").build_stage(build_model(config), stage, pp)
+                whole = sorted(tuple(p.shape) for p in real.parameters())
+                assert sorted(rank_parameter_shapes(model, 1, pp, stage)) == whole, (dim, layers, pp, stage)
+                split = rank_parameter_shapes(model, heads, pp, stage)  # as many TP ranks as heads
+                assert len(split) == len(whole)
+                blocks = len(real.blocks)
+                shrunk = sum(a != b for a, b in zip(split, rank_parameter_shapes(model, 1, pp, stage)))
+                assert shrunk == 10 * blocks  # per block 4 weights + 4 biases by rows, 2 weights by columns
+    # ZeRO-3 pads each tensor's first dimension to a multiple of dp, as FSDP2 does: 15 positions over 2 ranks, 8 each.
+    model = Model(0, 1, 24, 3, 256, 15)
+    shapes = rank_parameter_shapes(model, 3, 1, 0)
+    count = sum(math.prod(shape) for shape in shapes)
+    shard = sum(math.ceil(shape[0] / 2) * math.prod(shape[1:]) for shape in shapes)
+    assert 2 * shard == count + 24  # one padding row of the position embedding
+    assert rank_model_state(model, Layout(2, 3, 1, 1, 1, zero=3), 0) == {"params": 4 * shard, "grads": 4 * shard,
+                                                                          "optimizer": 0}  # fmt: skip
+    assert rank_model_state(model, Layout(2, 3, 1, 1, 1, zero=0), 0) == {"params": 4 * count, "grads": 4 * count,
+                                                                          "optimizer": 0}  # fmt: skip
 
 
 def test_activation_formulas_are_the_papers_table_2():

@@ -31,8 +31,10 @@ order tp, cp, dp, pp (innermost first; cp x dp x tp x pp = GPUs):
   values x (ep-1)/ep per rank, so 2 x tokens x k x h x bytes x (ep-1)/ep per layer forward, the same backward;
   they sit between the router and the experts: nothing hides them. Expert gradients are averaged over the
   dp x cp / ep ranks that hold the same experts.
-What it leaves out: embeddings counted as spread evenly over the stages, interleaved schedules, memory
-fragmentation and workspace, the MoE capacity factor and load imbalance (tokens spread evenly over the experts),
+What it leaves out: embeddings counted as spread evenly over the stages (rank_model_state counts one rank's own
+slice instead, embeddings on the first stage and the head on the last, for the course's model: lesson 06's runs hold
+exactly that), interleaved schedules, memory fragmentation and workspace, the MoE capacity factor and load
+imbalance (tokens spread evenly over the experts),
 grouped-query attention (K/V as wide as Q), the MLP's activations at any other width than 4 x hidden (--ffn-hidden
 sets the experts' parameters and FLOPs, not their activations), communication that overlaps better than stated below.
 """
@@ -269,6 +271,41 @@ def stage_model_state(model: Model, layout: Layout, precision: str = "mixed", op
         shared = model_state_bytes(experts, layout.dp * layout.cp // layout.ep, layout.zero, precision, optimizer)
         state = {kind: state[kind] + shared[kind] for kind in state}
     return state
+
+
+def rank_parameter_shapes(model: Model, tp: int, pp: int, stage: int) -> list[tuple[int, ...]]:
+    """The shapes of the parameters one rank of pipeline stage `stage` holds, for the course's model (utils/model.py:
+    learned token and position embeddings, pre-norm blocks with biased q/k/v/o and up/down projections, a final norm,
+    an untied biased head) cut as lessons 04 and 05 cut it. Unlike stage_model_state's even split, each stage holds
+    its own blocks (lesson 05's partition: the first layers % pp stages one more), the embeddings sit on the first
+    stage and the final norm and the head on the last; tensor parallelism splits q/k/v/up by rows (weight and bias,
+    column-parallel) and o/down by columns (weight only: a row-parallel bias is added once, after the all-reduce),
+    and leaves the norms, the embeddings and the head whole on every TP rank. model.params is not used."""
+    h, ffn, v = model.hidden, model.ffn_hidden or 4 * model.hidden, model.vocab
+    norm = [(h,), (h,)]  # LayerNorm: weight and bias
+    block = [
+        *norm,
+        *[(h // tp, h), (h // tp,)] * 3,  # q, k, v: column-parallel
+        (h, h // tp), (h,),  # o: row-parallel
+        *norm,
+        (ffn // tp, h), (ffn // tp,),  # up: column-parallel
+        (h, ffn // tp), (h,),  # down: row-parallel
+    ]  # fmt: skip
+    shapes = [(v, h), (model.seq_len, h)] if stage == 0 else []
+    shapes += block * layers_of_stage(model.layers, pp, stage)
+    if stage == pp - 1:
+        shapes += [*norm, (v, h), (v,)]
+    return shapes
+
+
+def rank_model_state(model: Model, layout: Layout, stage: int, precision: str = "fp32", optimizer: str = "sgd"):
+    """utils/memory.py's ZeRO rule for the parameters one rank of stage `stage` holds (rank_parameter_shapes), over
+    its dp group. Sharded state is padded as FSDP2 pads it: each tensor's first dimension to a multiple of dp. The
+    bytes each rank of lesson 06's runs holds, exactly: ZeRO-0 from scratch, ZeRO-3 built in (FSDP2)."""
+    shapes = rank_parameter_shapes(model, layout.tp, layout.pp, stage)
+    count = sum(math.prod(shape) for shape in shapes)
+    padded = sum(-(-shape[0] // layout.dp) * layout.dp * math.prod(shape[1:]) for shape in shapes)
+    return model_state_bytes(count, layout.dp, layout.zero, precision, optimizer, padded)
 
 
 # --------------------------------------------------------------------------------------------------
