@@ -7,8 +7,10 @@ Two kinds of checks. tests/workers/zero_edge_cases.py calls each TODO's code on 
 with padding, frozen, unused and tied parameters, so a TODO is checked as soon as it is written. The lesson's
 script then trains every strategy (`--strategy all`, launched once per configuration and shared by the tests);
 a strategy that reaches an unfinished TODO stops on its own while the others go on, and a strategy missing from
-a launch that crashed is launched alone. The model (width 27, 3 blocks: Psi = 42,295 parameters, odd) divides
-by neither 2, 3 nor 4, nor do its rows: every sharded buffer is padded. Every run has a global batch of 8.
+a launch that crashed is launched alone. The model (width 27, 3 blocks: Psi = 42,295 parameters, odd) needs
+padding at 2 and 4 ranks in ZeRO-1's single flat buffer, in every ZeRO-3 block and in FSDP2's 27-row parameters,
+and none in the root unit at 2 ranks or in FSDP2's 32-, 108- and 256-row parameters (positions, MLP, vocabulary):
+both paths run (test_the_model_needs_padding_in_some_buffers_only). Every run has a global batch of 8.
 Expected bytes come from the model and the world size (or, for the bytes on the wire, from the layout the
 strategy reports and that a test checks first), never from the estimate the run computed itself. TODO 8 (the
 debugging lab) is checked by utils/zero_lab.py at 3 ranks, against one process.
@@ -511,6 +513,19 @@ def test_todo8_lab_every_unit_is_gathered_again_for_backward(lesson, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Memory, bytes on the wire, activations
 # ------------------------------------------------------------------------------------------------
+
+
+def test_the_model_needs_padding_in_some_buffers_only():
+    """The module docstring's claim, from the model itself: at 2 and 4 ranks some sharded buffers are padded and
+    some divide evenly, so the tests run both paths."""
+    block, root = block_and_root()
+    rows = {p.shape[0] for p in build_model(CONFIG).parameters()}
+    for n in (2, 4):
+        assert PSI % n and block % n, f"test setup: Psi ({PSI}) and a block ({block}) should not divide by {n}"
+        padded = {r for r in rows if r % n}
+        assert padded == {CONFIG.dim}, f"test setup: at {n} ranks {sorted(padded)}-row parameters need padding"
+    even = {CONFIG.seq_len, CONFIG.mlp_ratio * CONFIG.dim, CONFIG.vocab_size}
+    assert root % 2 == 0 and rows - {CONFIG.dim} == even, f"test setup: root {root}, rows {sorted(rows)}"
 
 
 @pytest.mark.parametrize("name", STRATEGIES)

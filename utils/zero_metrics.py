@@ -5,6 +5,7 @@ recognises the lesson's classes by what they hold (`optimizer.flats`: ZeroOptimi
 Zero3's gathered units), so a learner's exercise is measured exactly like the solution.
 """
 
+import math
 import time
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -70,7 +71,7 @@ class Activations(SavedActivations):
 
 def built_layout(model, optimizer) -> dict:
     """What a sharded strategy built, from every rank: ZeroOptimizer's buckets (numel, S, each rank's [lo, hi))
-    and Zero3's units (numel, S, bytes of the gathered buffer, which is the root)."""
+    and Zero3's units (numel, S, bytes of the gathered buffer, which is the root, where each parameter sits)."""
     if is_zero_optimizer(optimizer):
         mine = [(f["flat"].numel(), f["shard_numel"], f["lo"], f["hi"], f["shard"].numel()) for f in optimizer.flats]
         everyone = [None] * dist.get_world_size(optimizer.group)
@@ -86,11 +87,22 @@ def built_layout(model, optimizer) -> dict:
         return {
             "units": [
                 {"numel": u.numel, "shard_numel": u.shard_numel, "root": u is model.root,
-                 "gathered_bytes": u.full.numel() * u.full.element_size()}
-                for u in model.units
+                 "gathered_bytes": u.full.numel() * u.full.element_size(), "views": unit_views(u, names)}
+                for u, names in zip(model.units, model.names)
             ]
         }  # fmt: skip
     return {}
+
+
+def unit_views(unit, names) -> list:
+    """Where each parameter of a Zero3 unit sits in its flat buffer: [qualified name, first element, end], in the
+    buffer's order (a parameter shared under several names is listed under its first)."""
+    views, offset = [], 0
+    for shape, qualified in zip(unit.shapes, names):
+        numel = math.prod(shape)
+        views.append([qualified[0], offset, offset + numel])
+        offset += numel
+    return views
 
 
 @torch.no_grad()
