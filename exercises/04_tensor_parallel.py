@@ -85,30 +85,42 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
 
 
-# TODO 1: the conjugate pair f and g. f enters a tensor-parallel region: every rank needs the whole input,
-#   which it already has, so f's forward is the identity; but each rank's slice of the layer contributes only a
-#   partial gradient for that input, so f's backward all-reduces (sums) the gradient. g leaves the region: each
-#   rank holds a partial sum of the output, so g's forward all-reduces it, and its backward passes the (already
-#   complete, identical) gradient through unchanged. Fill in the four methods with _all_reduce (backward returns
-#   one gradient per forward argument: None for `group`).
-class CopyToParallelRegion(torch.autograd.Function):  # f
+def f_or_g(x: torch.Tensor, group, which: str, backward: bool) -> torch.Tensor:
+    """What f (which="f", entering a tensor-parallel region) or g (which="g", leaving it) does to x: in forward,
+    or in backward (backward=True: x is the gradient coming back). The two autograd functions below call it."""
+    # TODO 1: the conjugate pair f and g. f enters a tensor-parallel region: every rank needs the whole input,
+    #   which it already has, so f's forward is the identity; but each rank's slice of the layer contributes only a
+    #   partial gradient for that input, so f's backward all-reduces (sums) the gradient. g leaves the region: each
+    #   rank holds a partial sum of the output, so g's forward all-reduces it, and its backward passes the (already
+    #   complete, identical) gradient through unchanged. For each of the four cases return x summed over the ranks
+    #   (_all_reduce(x, group)) or unchanged (x.view_as(x)).
+    raise NotImplementedError("TODO 1: the conjugate pair f and g")
+
+
+class CopyToParallelRegion(torch.autograd.Function):
+    """f: identity in forward, all-reduce in backward."""
+
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("TODO 1: the conjugate pair f and g")
+        ctx.group = group
+        return f_or_g(x, group, "f", backward=False)
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 1: the conjugate pair f and g")
+        return f_or_g(grad, ctx.group, "f", backward=True), None  # one gradient per forward input: none for group
 
 
-class ReduceFromParallelRegion(torch.autograd.Function):  # g
+class ReduceFromParallelRegion(torch.autograd.Function):
+    """g: all-reduce in forward, identity in backward."""
+
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("TODO 1: the conjugate pair f and g")
+        ctx.group = group
+        return f_or_g(x, group, "g", backward=False)
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 1: the conjugate pair f and g")
+        return f_or_g(grad, ctx.group, "g", backward=True), None
 
 
 class Split(torch.autograd.Function):
@@ -244,31 +256,43 @@ def parallelize_scratch(model: nn.Module, group, sequence_parallel: bool = False
 # --------------------------------------------------------------------------------------------------
 
 
-# TODO 5: the sequence-parallel pair. With sequence parallelism the residual stream holds 1/N of the
-#   sequence (dim 1) on each rank. Entering a tensor-parallel region, all-gather the sequence (the layers need
-#   every token); the gradients coming back are partial sums over the ranks' weight slices, so backward
-#   reduce-scatters them (sum, and keep this rank's sequence slice). Leaving the region, the row-parallel
-#   layer's partial outputs are reduce-scattered (sum, and keep this rank's slice), whose backward all-gathers.
-#   Together they move the same bytes as the all-reduce they replace: all-reduce = reduce-scatter + all-gather.
-#   Use _all_gather(x, 1, group) and _reduce_scatter(x, 1, group).
-class GatherSequence(torch.autograd.Function):  # SP's f
+def sequence_f_or_g(x: torch.Tensor, group, which: str, backward: bool) -> torch.Tensor:
+    """What SP's f (which="f", entering a tensor-parallel region) or SP's g (which="g", leaving it) does to x along
+    the sequence (dim 1): in forward, or in backward (backward=True: x is the gradient coming back)."""
+    # TODO 5: the sequence-parallel pair. With sequence parallelism the residual stream holds 1/N of the
+    #   sequence (dim 1) on each rank. Entering a tensor-parallel region, all-gather the sequence (the layers need
+    #   every token); the gradients coming back are partial sums over the ranks' weight slices, so backward
+    #   reduce-scatters them (sum, and keep this rank's sequence slice). Leaving the region, the row-parallel
+    #   layer's partial outputs are reduce-scattered (sum, and keep this rank's slice), whose backward all-gathers.
+    #   Together they move the same bytes as the all-reduce they replace: all-reduce = reduce-scatter + all-gather.
+    #   For each of the four cases use _all_gather(x, 1, group) or _reduce_scatter(x, 1, group).
+    raise NotImplementedError("TODO 5: the sequence-parallel pair")
+
+
+class GatherSequence(torch.autograd.Function):
+    """SP's f: all-gather along the sequence in forward, reduce-scatter in backward."""
+
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("TODO 5: the sequence-parallel pair")
+        ctx.group = group
+        return sequence_f_or_g(x, group, "f", backward=False)
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 5: the sequence-parallel pair")
+        return sequence_f_or_g(grad, ctx.group, "f", backward=True), None
 
 
-class ReduceScatterSequence(torch.autograd.Function):  # SP's g
+class ReduceScatterSequence(torch.autograd.Function):
+    """SP's g: reduce-scatter along the sequence in forward, all-gather in backward."""
+
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("TODO 5: the sequence-parallel pair")
+        ctx.group = group
+        return sequence_f_or_g(x, group, "g", backward=False)
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 5: the sequence-parallel pair")
+        return sequence_f_or_g(grad, ctx.group, "g", backward=True), None
 
 
 def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -83,24 +83,33 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
 
 
-# TODO 1: the conjugate pair f and g. f enters a tensor-parallel region: every rank needs the whole input,
-#   which it already has, so f's forward is the identity; but each rank's slice of the layer contributes only a
-#   partial gradient for that input, so f's backward all-reduces (sums) the gradient. g leaves the region: each
-#   rank holds a partial sum of the output, so g's forward all-reduces it, and its backward passes the (already
-#   complete, identical) gradient through unchanged. Fill in the four methods with _all_reduce (backward returns
-#   one gradient per forward argument: None for `group`).
-# BEGIN SOLUTION
+def f_or_g(x: torch.Tensor, group, which: str, backward: bool) -> torch.Tensor:
+    """What f (which="f", entering a tensor-parallel region) or g (which="g", leaving it) does to x: in forward,
+    or in backward (backward=True: x is the gradient coming back). The two autograd functions below call it."""
+    # TODO 1: the conjugate pair f and g. f enters a tensor-parallel region: every rank needs the whole input,
+    #   which it already has, so f's forward is the identity; but each rank's slice of the layer contributes only a
+    #   partial gradient for that input, so f's backward all-reduces (sums) the gradient. g leaves the region: each
+    #   rank holds a partial sum of the output, so g's forward all-reduces it, and its backward passes the (already
+    #   complete, identical) gradient through unchanged. For each of the four cases return x summed over the ranks
+    #   (_all_reduce(x, group)) or unchanged (x.view_as(x)).
+    # BEGIN SOLUTION
+    if which == "f":  # entering: the input is whole on every rank, its gradient a partial sum
+        return _all_reduce(x, group) if backward else x.view_as(x)
+    return x.view_as(x) if backward else _all_reduce(x, group)  # leaving: the reverse
+    # END SOLUTION
+
+
 class CopyToParallelRegion(torch.autograd.Function):
     """f: identity in forward, all-reduce in backward."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return f_or_g(x, group, "f", backward=False)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return f_or_g(grad, ctx.group, "f", backward=True), None  # one gradient per forward input: none for group
 
 
 class ReduceFromParallelRegion(torch.autograd.Function):
@@ -108,35 +117,14 @@ class ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        ctx.group = group
+        return f_or_g(x, group, "g", backward=False)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return f_or_g(grad, ctx.group, "g", backward=True), None
 
 
-# EXERCISE
-# class CopyToParallelRegion(torch.autograd.Function):  # f
-#     @staticmethod
-#     def forward(ctx, x, group):
-#         raise NotImplementedError("TODO 1: the conjugate pair f and g")
-#
-#     @staticmethod
-#     def backward(ctx, grad):
-#         raise NotImplementedError("TODO 1: the conjugate pair f and g")
-#
-#
-# class ReduceFromParallelRegion(torch.autograd.Function):  # g
-#     @staticmethod
-#     def forward(ctx, x, group):
-#         raise NotImplementedError("TODO 1: the conjugate pair f and g")
-#
-#     @staticmethod
-#     def backward(ctx, grad):
-#         raise NotImplementedError("TODO 1: the conjugate pair f and g")
-#
-#
-# END SOLUTION
 class Split(torch.autograd.Function):
     """Keep this rank's slice along `dim` in forward; all-gather the slices' gradients in backward."""
 
@@ -289,25 +277,34 @@ def parallelize_scratch(model: nn.Module, group, sequence_parallel: bool = False
 # --------------------------------------------------------------------------------------------------
 
 
-# TODO 5: the sequence-parallel pair. With sequence parallelism the residual stream holds 1/N of the
-#   sequence (dim 1) on each rank. Entering a tensor-parallel region, all-gather the sequence (the layers need
-#   every token); the gradients coming back are partial sums over the ranks' weight slices, so backward
-#   reduce-scatters them (sum, and keep this rank's sequence slice). Leaving the region, the row-parallel
-#   layer's partial outputs are reduce-scattered (sum, and keep this rank's slice), whose backward all-gathers.
-#   Together they move the same bytes as the all-reduce they replace: all-reduce = reduce-scatter + all-gather.
-#   Use _all_gather(x, 1, group) and _reduce_scatter(x, 1, group).
-# BEGIN SOLUTION
+def sequence_f_or_g(x: torch.Tensor, group, which: str, backward: bool) -> torch.Tensor:
+    """What SP's f (which="f", entering a tensor-parallel region) or SP's g (which="g", leaving it) does to x along
+    the sequence (dim 1): in forward, or in backward (backward=True: x is the gradient coming back)."""
+    # TODO 5: the sequence-parallel pair. With sequence parallelism the residual stream holds 1/N of the
+    #   sequence (dim 1) on each rank. Entering a tensor-parallel region, all-gather the sequence (the layers need
+    #   every token); the gradients coming back are partial sums over the ranks' weight slices, so backward
+    #   reduce-scatters them (sum, and keep this rank's sequence slice). Leaving the region, the row-parallel
+    #   layer's partial outputs are reduce-scattered (sum, and keep this rank's slice), whose backward all-gathers.
+    #   Together they move the same bytes as the all-reduce they replace: all-reduce = reduce-scatter + all-gather.
+    #   For each of the four cases use _all_gather(x, 1, group) or _reduce_scatter(x, 1, group).
+    # BEGIN SOLUTION
+    if which == "f":  # entering: every token needed; the gradients coming back are partial sums
+        return _reduce_scatter(x, 1, group) if backward else _all_gather(x, 1, group)
+    return _all_gather(x, 1, group) if backward else _reduce_scatter(x, 1, group)  # leaving: the reverse
+    # END SOLUTION
+
+
 class GatherSequence(torch.autograd.Function):
     """SP's f: all-gather along the sequence in forward, reduce-scatter in backward."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, 1, group)
+        return sequence_f_or_g(x, group, "f", backward=False)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, 1, ctx.group), None
+        return sequence_f_or_g(grad, ctx.group, "f", backward=True), None
 
 
 class ReduceScatterSequence(torch.autograd.Function):
@@ -316,33 +313,11 @@ class ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, 1, group)
+        return sequence_f_or_g(x, group, "g", backward=False)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group), None
-
-
-# EXERCISE
-# class GatherSequence(torch.autograd.Function):  # SP's f
-#     @staticmethod
-#     def forward(ctx, x, group):
-#         raise NotImplementedError("TODO 5: the sequence-parallel pair")
-#
-#     @staticmethod
-#     def backward(ctx, grad):
-#         raise NotImplementedError("TODO 5: the sequence-parallel pair")
-#
-#
-# class ReduceScatterSequence(torch.autograd.Function):  # SP's g
-#     @staticmethod
-#     def forward(ctx, x, group):
-#         raise NotImplementedError("TODO 5: the sequence-parallel pair")
-#
-#     @staticmethod
-#     def backward(ctx, grad):
-#         raise NotImplementedError("TODO 5: the sequence-parallel pair")
-# END SOLUTION
+        return sequence_f_or_g(grad, ctx.group, "g", backward=True), None
 
 
 def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -331,6 +331,17 @@ def test_untouched_exercise_stops_at_once_at_the_first_todo(tmp_path):
         assert result.returncode != 0 and f"ERROR: {todo} is not done yet" in result.output, result.tail()
 
 
+def test_an_exercise_with_todos_4_and_5_undone_names_todo_4_first_on_a_sequence_parallel_run(tmp_path):
+    """The script checks its hand-written pieces in TODO order, the block (TODO 4) before the SP pair (TODO 5)."""
+    solution = ROOT / "solutions" / "04_tensor_parallel.py"
+    script = tmp_path / solution.name
+    script.write_text(make_exercise(solution.read_text(), solution.name, done={1, 2, 3, 6, 7, 8})[0])
+    args = [*COMMON, "--tp-impl", "scratch", "--sequence-parallel", "--log-dir", tmp_path / "runs"]
+    result = torchrun(script, 2, args, timeout=90, env=course_env(PYTHONPATH=ROOT))
+    assert result.returncode != 0, result.tail()
+    assert "ERROR: TODO 4: a tensor-parallel block is not done yet" in result.output, result.tail()
+
+
 def only_todo_undone(solution_text: str, number: int) -> str:
     """The solution with only TODO `number`'s region replaced by what the exercise has there."""
     exercise = make_exercise(solution_text, "04_tensor_parallel.py")[0]

@@ -1,6 +1,6 @@
 """Lesson 04's plumbing: checks of the hand-written tensor-parallel layers, and full parameters however sharded.
 
-    check_layers(lesson, group, device, sequence_parallel)   # TODOs 1, 2, 3 (and 5) against one process
+    check_layers(lesson, group, device, sequence_parallel)   # TODOs 1 to 4 (and 5) against one process
     full_parameters(model, group)                             # {name: whole tensor} under the unsharded names
 
 Each check compares a piece of the lesson (given as its module) with what one process computes (nn.Linear, a sum,
@@ -9,12 +9,15 @@ with its TODO's number. The lesson script runs them before training with --tp-im
 tests/workers/tp_units.py runs them one TODO at a time.
 """
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from utils.distributed_utils import CourseError
+from utils.model import ModelConfig, build_model
 
 TOLERANCE = 1e-6  # float32: a sum over ranks is added in another order than one process adds it
 
@@ -107,6 +110,26 @@ def check_row(lesson, group, device):
         _close(3, "RowParallelLinear's bias gradient", layer.bias.grad, b_grad_ref)
 
 
+def check_block(lesson, group, device):
+    """TODO 4: one Block of utils/model.py made tensor-parallel = the whole block on one process (output and input
+    gradient; without SP, so that TODO 5 is not needed yet)."""
+    n = dist.get_world_size(group)
+    whole = build_model(ModelConfig(seq_len=4, dim=4 * n, n_heads=n, n_layers=1), seed=5).blocks[0].to(device)
+    block = copy.deepcopy(whole)
+    lesson.tensor_parallel_block(block, group)
+    x = _same_everywhere(2, 4, 4 * n, seed=80, device=device)
+    upstream = _same_everywhere(2, 4, 4 * n, seed=81, device=device)
+    outputs, grads = [], []
+    for module in (whole, block):
+        xi = x.clone().requires_grad_()
+        y = module(xi)
+        (y * upstream).sum().backward()
+        outputs.append(y.detach())
+        grads.append(xi.grad)
+    _close(4, "the tensor-parallel block's output", outputs[1], outputs[0])
+    _close(4, "the tensor-parallel block's input gradient", grads[1], grads[0])
+
+
 def check_sequence_pair(lesson, group, device):
     """TODO 5: GatherSequence all-gathers dim 1 (reduce-scatters back); ReduceScatterSequence the reverse."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
@@ -132,7 +155,10 @@ def check_sequence_pair(lesson, group, device):
 
 def check_layers(lesson, group, device, sequence_parallel: bool = False):
     """The lesson's hand-written pieces, in TODO order; stops at the first one that is not done or is wrong."""
-    for check in (check_f_and_g, check_column, check_row) + ((check_sequence_pair,) if sequence_parallel else ()):
+    checks = [check_f_and_g, check_column, check_row, check_block] + (
+        [check_sequence_pair] if sequence_parallel else []
+    )
+    for check in checks:
         check(lesson, group, device)
 
 
