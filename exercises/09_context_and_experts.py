@@ -17,11 +17,9 @@ Every rank keeps a full copy of the parameters it does not split, so their gradi
     torchrun --nproc_per_node=4 solutions/09_context_and_experts.py --parallel ep --experts 4 --top-k 2
 """
 
-import argparse
 import itertools
 import math
 import sys
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +35,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import utils.experts as moe
 from utils.collective_counter import CollectiveCounter
-from utils.context_parallel import Ring, attention_memory, gather, ring_measurements
+from utils.compat import configure_context_parallel
+from utils.context_parallel import Ring, context_summary, gather, ring_metrics
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.experts import add_expert_options, check_experts
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (
@@ -49,9 +49,7 @@ from utils.training import (
     build_optimizer,
     check_batches,
     model_config,
-    non_negative_float,
     parse_args,
-    positive_int,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -183,21 +181,19 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, positions, all_positions, ring):
-        ring.phase, started = "forward", time.perf_counter()
-        out, lse = ring_attention_forward(q, k, v, positions, all_positions, ring)
-        ring.busy_s += time.perf_counter() - started
+        with ring.timed("forward"):  # its counts, seconds and timeline (utils/context_parallel.py)
+            out, lse = ring_attention_forward(q, k, v, positions, all_positions, ring)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.positions, ctx.all_positions, ctx.ring = positions, all_positions, ring
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        ctx.ring.phase, started = "backward", time.perf_counter()
         q, k, v, out, lse = ctx.saved_tensors
-        grads = ring_attention_backward(
-            d_out.contiguous(), q, k, v, out, lse, ctx.positions, ctx.all_positions, ctx.ring
-        )
-        ctx.ring.busy_s += time.perf_counter() - started
+        with ctx.ring.timed("backward"):
+            grads = ring_attention_backward(
+                d_out.contiguous(), q, k, v, out, lse, ctx.positions, ctx.all_positions, ctx.ring
+            )
         return *grads, None, None, None
 
 
@@ -239,10 +235,9 @@ def builtin_context_parallel_step(model, inputs, targets, positions, mesh, split
     in place along their sequence dimension) and every F.scaled_dot_product_attention becomes a ring attention over
     the mesh. Its zigzag is "load balancing" (head-tail chunks); the keys and values rotate by all-to-all."""
     from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
-    set_rotate_method("alltoall")  # pass the blocks around (the ring), rather than all-gather them at once
-    _cp_options.enable_load_balance = split == "zigzag"  # private switch (torch 2.11 to 2.13): contiguous otherwise
+    # Pass the blocks around the ring (not all-gathered at once), cut head-tail for zigzag (private switches).
+    configure_context_parallel(load_balance=split == "zigzag", rotate_method="alltoall")
     buffers = [inputs, targets, positions]
     with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(buffers)):
         loss = loss_fn(model(inputs, positions), targets)
@@ -314,7 +309,7 @@ def train_context_parallel(args, rank: int, world_size: int, device: torch.devic
     if args.checkpoint:
         save0({"model": model.state_dict(), "config": vars(config)}, args.checkpoint)
         print0(f"saved the model to {args.checkpoint}")
-    measured = measure_ring(ring, args, rank, world_size, device) if args.impl == "scratch" else {}
+    measured = ring_metrics(ring, RingAttention.apply, chunk_positions, args, device) if args.impl == "scratch" else {}
     held = gather(state_bytes(model, optimizer))
     write_metrics(
         args.metrics_out,
@@ -336,25 +331,6 @@ def train_context_parallel(args, rank: int, world_size: int, device: torch.devic
     )
     print0(f"throughput: {throughput.tokens_per_s:,.0f} tokens/s on {world_size} x {device.type}")
     print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
-
-
-def context_summary(positions: torch.Tensor) -> str:
-    """ "0-7, 56-63": the stretches of the sequence a rank holds, for the log."""
-    places = positions.tolist()
-    starts = [i for i in range(len(places)) if i == 0 or places[i] != places[i - 1] + 1]
-    return ", ".join(f"{places[s]}-{places[e - 1]}" for s, e in zip(starts, [*starts[1:], len(places)]))
-
-
-def measure_ring(ring: Ring, args, rank: int, world_size: int, device: torch.device) -> dict:
-    """The metrics of the ring (utils/context_parallel.py): work, bytes and time per rank during training, then
-    the bytes one attention layer saves for backward for one sequence of 1, 2 and 4 times --seq-len (a fresh ring,
-    the same split)."""
-    measured = ring_measurements(ring, args.steps, args.n_layers)
-    shape = (1, args.n_heads, args.dim // args.n_heads)  # one sequence: the bytes grow with the batch
-    seq_lens = [args.seq_len * m for m in (1, 2, 4)]
-    fresh = Ring(rank, world_size)
-    return measured | attention_memory(RingAttention.apply, chunk_positions, fresh, args.cp_split, seq_lens, shape,
-                                       device)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -540,36 +516,6 @@ def split_parameters(model) -> tuple[list, list]:
     return [p for n, p in named if ".experts." not in n], [p for n, p in named if ".experts." in n]
 
 
-def positive_float(text: str) -> float:
-    value = non_negative_float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return value
-
-
-def add_expert_options(parser):
-    """--experts, --top-k, --capacity-factor, --aux-loss-weight and any other option of expert parallelism only."""
-    parser.add_argument("--experts", type=positive_int, default=4, help="experts per MoE layer (divisible by ranks)")
-    parser.add_argument("--top-k", type=positive_int, default=2, help="experts per token")
-    parser.add_argument(
-        "--capacity-factor", type=positive_float, default=1.25, help="capacity = ceil(C x tokens x k / E) per rank"
-    )
-    parser.add_argument("--aux-loss-weight", type=non_negative_float, default=0.01, help="load-balancing loss weight")
-
-
-def check_experts(args, world_size: int):
-    """Refuse what cannot run, with one line, before any collective."""
-    if args.experts % world_size:
-        divisors = [str(n) for n in range(1, args.experts + 1) if args.experts % n == 0]
-        fits = " or ".join([", ".join(divisors[:-1]), divisors[-1]] if len(divisors) > 1 else divisors)
-        raise CourseError(
-            f"--experts {args.experts} does not split evenly over {world_size} ranks: use a multiple of {world_size} "
-            f"experts, or launch {fits} processes"
-        )
-    if args.top_k > args.experts:
-        raise CourseError(f"--top-k {args.top_k} is more than --experts {args.experts}: choose at most {args.experts}")
-
-
 def train_expert_parallel(args, rank: int, world_size: int, device: torch.device):
     check_experts(args, world_size)
     model = build_moe_model(args).to(device)
@@ -588,9 +534,8 @@ def train_expert_parallel(args, rank: int, world_size: int, device: torch.device
     loader = torch.utils.data.DataLoader(
         train_set, batch_size=world_size * args.batch_size, shuffle=True, drop_last=True, generator=generator
     )
-    counter = CollectiveCounter()
+    counter, record = CollectiveCounter(), moe.ExpertRecord(layers, args.experts)
     logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
-    losses, aux_losses, chosen, kept, splits = [], [], [], [], []
     batches = (batch for _ in iter(int, 1) for batch in loader)  # endless: epoch after epoch
     for step, (inputs, targets) in zip(range(1, args.steps + 1), batches):
         inputs, targets = inputs.chunk(world_size)[rank].to(device), targets.chunk(world_size)[rank].to(device)
@@ -601,43 +546,26 @@ def train_expert_parallel(args, rank: int, world_size: int, device: torch.device
             (loss + args.aux_loss_weight * aux).backward()
         synchronize_gradients(replicated, experts)
         optimizer.step()
-        # One all-reduce for what the metrics record: the mean losses, the choices and kept rows per expert.
-        summed = torch.cat([torch.stack([loss.detach(), aux.detach()]) / world_size]
-                           + [torch.cat([b.mlp.chosen, b.mlp.kept]).to(loss.dtype) for b in layers])  # fmt: skip
-        dist.all_reduce(summed)
-        losses.append(summed[0].item())
-        aux_losses.append(summed[1].item())
-        counts = summed[2:].view(len(layers), 2, args.experts).round().long().tolist()
-        chosen.append([layer[0] for layer in counts])
-        kept.append([layer[1] for layer in counts])
-        if step == 1:
-            splits = [block.mlp.splits for block in layers]
+        loss, aux = record.step(loss, aux)  # the means over the ranks, the choices and kept rows per expert
         throughput.step(world_size * inputs.numel())
-        logger.log(step, loss=losses[-1], aux_loss=aux_losses[-1], tokens_per_s=throughput.tokens_per_s)
+        logger.log(step, loss=loss, aux_loss=aux, tokens_per_s=throughput.tokens_per_s)
         if step % args.log_every == 0 or step == args.steps:
-            dropped = sum(map(sum, chosen[-1])) - sum(map(sum, kept[-1]))
-            print0(f"step {step:4d}  loss {losses[-1]:.4f}  aux {aux_losses[-1]:.4f}  dropped {dropped}")
+            print0(f"step {step:4d}  loss {loss:.4f}  aux {aux:.4f}  dropped {sum(record.dropped[-1])}")
     logger.close()
 
     full, checksum = moe.full_weights(model, device, keep=rank == 0)  # every rank's experts, gathered on rank 0
     if args.checkpoint:
         save0({"model": full, "config": vars(model_config(args))}, args.checkpoint)
         print0(f"saved the full model to {args.checkpoint}")
-    measured = counter.table().get("step", {}).get("all_to_all", [0, 0])[1]
-    held, sent = [None] * world_size, [None] * world_size
-    dist.all_gather_object(held, state_bytes(model, optimizer))
-    rows = [[sum(send), sum(receive)] for send, receive in splits]
-    dist.all_gather_object(sent, {"bytes": measured, "rows": rows, "send_splits": [send for send, _ in splits]})
+    all_to_all_bytes = counter.table().get("step", {}).get("all_to_all", [0, 0])[1]  # step 1's input bytes
     tokens = args.batch_size * args.seq_len  # per rank: the group of tokens each capacity is for
     write_metrics(
         args.metrics_out,
-        final_loss=losses[-1],
-        losses=losses,
-        aux_losses=aux_losses,
-        steps=len(losses),
+        final_loss=record.losses[-1],
+        steps=len(record.losses),
         tokens_per_s=throughput.tokens_per_s,
         param_checksum=checksum,
-        bytes_per_rank=held,
+        bytes_per_rank=gather(state_bytes(model, optimizer)),
         parallel=args.parallel,
         impl=args.impl,
         experts=args.experts,
@@ -647,15 +575,12 @@ def train_expert_parallel(args, rank: int, world_size: int, device: torch.device
         aux_loss_weight=args.aux_loss_weight,
         capacity=math.ceil(args.capacity_factor * tokens * args.top_k / args.experts),
         tokens_per_rank=tokens,
-        expert_choices=chosen,  # [step][layer][expert]: choices before the capacity, all ranks together
-        expert_load=kept,  # [step][layer][expert]: rows each expert processed
-        dropped=[[sum(c) - sum(k) for c, k in zip(*step)] for step in zip(chosen, kept)],  # [step][layer]
-        all_to_all=sent,  # per rank, step 1: all-to-all input bytes; per layer [rows sent, received], rows to each rank
         optimizer=args.optimizer,
         dataset=args.dataset,
+        **record.metrics(all_to_all_bytes),  # losses, expert choices and load, dropped, all-to-all rows and bytes
     )
     print0(f"throughput: {throughput.tokens_per_s:,.0f} tokens/s on {world_size} x {device.type}")
-    print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
+    print0(f"FINISHED {len(record.losses)} steps, final loss {record.losses[-1]:.4f}")
     del optimizer, model
 
 

@@ -91,10 +91,10 @@ def run(lesson, tmp_path_factory):
     return launch
 
 
-def microbatches_of(extra: list[str]) -> int:
-    """--microbatches of a run: its own (the last one on the command line wins), else COMMON's."""
+def option_of(extra: list[str], option: str) -> str:
+    """An option's value in a run: the run's own (the last one on the command line wins), else COMMON's."""
     given = {**dict(zip(COMMON[::2], COMMON[1::2])), **dict(zip(extra[::2], extra[1::2]))}
-    return int(given["--microbatches"])
+    return given[option]
 
 
 def weights(folder) -> dict:
@@ -375,7 +375,7 @@ def test_options_reach_the_run(run, needs):
         assert layout["dp"] * layout["tp"] * layout["pp"] == nproc == metrics["world_size"], (name, layout)
         assert metrics["impl"] == given.get("--impl", "scratch"), (name, metrics["impl"])
         assert metrics["schedule"] == given.get("--schedule", "1f1b"), (name, metrics["schedule"])
-        microbatches = microbatches_of(extra)
+        microbatches = int(option_of(extra, "--microbatches"))
         assert metrics["microbatches"] == microbatches, (name, metrics["microbatches"])
         assert metrics["micro_batch"] == int(given["--batch-size"]) // microbatches, (name, metrics["micro_batch"])
         # gbs = micro-batch x micro-batches x dp: more micro-batches make each smaller, never the global batch larger
@@ -383,7 +383,7 @@ def test_options_reach_the_run(run, needs):
         assert metrics["global_batch"] == gbs == layout["dp"] * int(given["--batch-size"]) == GLOBAL_BATCH, name
         want = [reference_coordinates(r, layout["pp"], layout["dp"], layout["tp"]) for r in range(nproc)]
         assert metrics["coordinates"] == want, (name, metrics["coordinates"])
-    assert len({microbatches_of(extra) for _, extra in RUNS.values()}) > 1, "every run splits its batch alike"
+    assert len({option_of(extra, "--microbatches") for _, extra in RUNS.values()}) > 1, "runs split alike"
 
 
 def test_model_state_is_split_over_the_grid(run, baseline, needs):

@@ -7,11 +7,13 @@ The reference is never the learner's own code. TODOs 1-3 are checked in this pro
 written here; TODOs 4 and 5 (the ring forward and backward) run N ranks as N threads of this process that pass
 their blocks through a mailbox in place of isend/irecv, against F.scaled_dot_product_attention(is_causal=True)
 and its autograd on the whole sequence (TODO 4 with this file's block attention and merge in place of TODOs 2
-and 3, so that each TODO is checked on its own). The training runs, at 2 and 4 ranks with both splits, are
-compared with lesson 00's solution on one process (the same seed, the same batches, SGD) and launched once each.
-No test asserts on a timing.
+and 3, so that each TODO is checked on its own). The training runs, at 2 and 4 ranks with both splits and at 3
+ranks with zigzag (36 tokens: 2 x 3 chunks), are compared with lesson 00's solution on one process at the same
+sequence length (the same seed, the same batches, SGD) and launched once each. No test asserts on a timing (the
+timeline test checks the order of the ring's events, not their durations).
 """
 
+import contextlib
 import importlib.util
 import math
 import queue
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext
+from utils.context_parallel import in_flight
 from utils.distributed_utils import CourseError
 from utils.make_exercises import make_exercise
 
@@ -33,7 +36,9 @@ COMMON = [
     "--optimizer", "sgd", "--log-every", "1", "--batch-size", "4",
 ]  # fmt: skip
 RUNS_SPLITS = ("contiguous", "zigzag")
-RUNS = {f"{n}_{split}": (n, split) for n in (2, 4) for split in RUNS_SPLITS}
+SEQ_LEN = 32  # COMMON's
+RUNS = {f"{n}_{split}": (n, split, SEQ_LEN) for n in (2, 4) for split in RUNS_SPLITS}  # name: (ranks, split, seq len)
+RUNS["3_zigzag"] = (3, "zigzag", 36)  # 3 ranks: 36 tokens cut into 2 x 3 chunks (32 is refused, tested below)
 ENV = course_env(PYTHONPATH=ROOT)  # `import utils` also for a script in another folder (--target-dir)
 WAIT_S = 15  # a simulated rank that waits longer than this for a block will never get it
 
@@ -120,7 +125,7 @@ class FakeRing:
     def __init__(self, rank: int, mailbox: Mailbox):
         self.rank, self.size, self.mailbox = rank, mailbox.size, mailbox
         self.pairs = self.starts = self.sent = 0
-        self.busy_s, self.phase = 0.0, "forward"  # what RingAttention sets and adds to
+        self.phase = "forward"  # what RingAttention's timed() sets
         self.blocks_at_start, self.blocks_at_wait = [], []  # blocks computed so far when each exchange began/ended
         self.received_from = []
 
@@ -137,6 +142,11 @@ class FakeRing:
 
     def count(self, queries: int, keys: int):
         self.pairs += 1
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):  # RingAttention's forward and backward run inside it
+        self.phase = phase
+        yield self
 
 
 class FakePending:
@@ -470,13 +480,28 @@ def test_untouched_exercise_stops_at_todo1(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def with_seq_len(args: list, seq_len: int) -> list:
+    """COMMON's arguments (or a part of them) with --seq-len set to seq_len."""
+    at = args.index("--seq-len") + 1
+    return [*args[:at], str(seq_len), *args[at + 1 :]]
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    """Lesson 00's solution on one process, the same global batch: the reference every run is compared with."""
-    folder = tmp_path_factory.mktemp("lesson00")
-    args = [*COMMON[2:], "--log-dir", folder / "runs", "--checkpoint", folder / "model.pt"]
-    result = python(ROOT / "solutions" / "00_setup_and_baseline.py", args, tmp_path=folder).check()
-    return result.metrics, torch.load(folder / "model.pt", weights_only=True)["model"]
+    """baseline(seq_len) -> lesson 00's solution on one process, the same global batch: the reference every run of
+    that sequence length is compared with (launched the first time it is asked for)."""
+    done = {}
+
+    def launch(seq_len: int = SEQ_LEN):
+        if seq_len not in done:
+            folder = tmp_path_factory.mktemp(f"lesson00_{seq_len}")
+            args = [*with_seq_len(COMMON[2:], seq_len), "--log-dir", folder / "runs"]
+            args += ["--checkpoint", folder / "model.pt"]
+            result = python(ROOT / "solutions" / "00_setup_and_baseline.py", args, tmp_path=folder).check()
+            done[seq_len] = result.metrics, torch.load(folder / "model.pt", weights_only=True)["model"]
+        return done[seq_len]
+
+    return launch
 
 
 @pytest.fixture(scope="module")
@@ -486,10 +511,11 @@ def run(lesson, tmp_path_factory):
 
     def launch(name):
         if name not in done:
-            nproc, split = RUNS[name]
+            nproc, split, seq_len = RUNS[name]
             folder = tmp / name
             folder.mkdir()
-            args = [*COMMON, "--cp-split", split, "--log-dir", folder / "runs", "--checkpoint", folder / "model.pt"]
+            args = [*with_seq_len(COMMON, seq_len), "--cp-split", split, "--log-dir", folder / "runs"]
+            args += ["--checkpoint", folder / "model.pt"]
             done[name] = torchrun(lesson("09"), nproc, args, tmp_path=folder, env=ENV, timeout=240), folder
         return done[name]
 
@@ -499,7 +525,8 @@ def run(lesson, tmp_path_factory):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_todo5_training_matches_lesson_00_on_one_process(run, baseline, needs, name):
     needs(1, 2, 3, 4)
-    reference, reference_weights = baseline
+    nproc, split, seq_len = RUNS[name]
+    reference, reference_weights = baseline(seq_len)
     result, folder = run(name)
     metrics = finished(result, 5)
     weights = torch.load(folder / "model.pt", weights_only=True)["model"]
@@ -510,11 +537,9 @@ def test_todo5_training_matches_lesson_00_on_one_process(run, baseline, needs, n
     )
     assert metrics["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE), f"TODO 5: {metrics['losses']}"
     assert metrics["param_checksum"] == pytest.approx(reference["param_checksum"], rel=1e-9), "TODO 5: checksum"
-    nproc, split = RUNS[name]
-    assert (metrics["world_size"], metrics["cp_split"], metrics["parallel"], metrics["impl"]) == (
-        nproc, split, "cp", "scratch",
+    assert (metrics["world_size"], metrics["cp_split"], metrics["parallel"], metrics["impl"], metrics["seq_len"]) == (
+        nproc, split, "cp", "scratch", seq_len,
     ), metrics  # fmt: skip
-    seq_len = metrics["seq_len"]
     assert metrics["positions"] == [reference_positions(seq_len, r, nproc, split).tolist() for r in range(nproc)]
     assert metrics["bytes_per_rank"] == [reference["bytes_per_rank"]] * nproc, "every rank holds the whole model"
     lines = result.output.rstrip().splitlines()
@@ -540,6 +565,30 @@ def test_todo5_ring_bytes_per_step_match_the_formula(run, needs):
         sent = metrics["ring_bytes_per_step"]
         assert sent["forward"] == [layers * 2 * (n - 1) * chunk] * n, f"{name}: forward bytes {sent['forward']}"
         assert sent["backward"] == [layers * (2 * (n - 1) + 2 * n) * chunk] * n, f"{name}: backward {sent['backward']}"
+
+
+def test_todo5_the_ring_posts_each_exchange_before_computing(run, needs):
+    """The last step's timeline of every zigzag run (utils/context_parallel.py records it on every rank): every
+    layer's forward, then every layer's backward; in each, one computation per ring step (zigzag: every rank has
+    work at every step), and at each step but the last an exchange was posted and not yet waited for when the
+    computation began (the transfer runs during it); the last step has nothing left to receive."""
+    needs(1, 2, 3, 4)
+    layers = int(dict(zip(COMMON[::2], COMMON[1::2]))["--n-layers"])
+    for name, (n, split, _) in RUNS.items():
+        if split != "zigzag":
+            continue
+        metrics = finished(run(name)[0], 5)
+        for rank, calls in enumerate(metrics["ring_timeline_per_rank"]):
+            assert [call["phase"] for call in calls] == ["forward"] * layers + ["backward"] * layers, (name, rank)
+            for call in calls:
+                todo = 4 if call["phase"] == "forward" else 5
+                found = in_flight(call["events"])
+                assert [count > 0 for count in found] == [True] * (n - 1) + [False], (
+                    f"TODO {todo}: {name}, rank {rank}, {call['phase']}: exchanges in flight when each step's "
+                    f"computation began: {found}; post the next exchange first, then compute, then wait"
+                )
+                starts = [start for _, start, _ in call["events"]]
+                assert starts == sorted(starts) and all(end >= start for _, start, end in call["events"]), call
 
 
 def test_todo5_zigzag_balances_the_causal_work(run, needs):

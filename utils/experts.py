@@ -16,8 +16,12 @@ process makes the same decisions as N ranks. Its rules (the lesson's, stated onc
   token keeps its residual stream and its other experts' outputs, weighted by their gates as they were);
 - the load-balancing loss of a group is E x sum_e f_e x P_e (f_e: the fraction of its T x k choices that picked
   e, before the capacity; P_e: e's mean probability), summed over the layers; the model's is the mean over groups.
+
+Also the expert part's command line and checks (add_expert_options, check_experts) and what a run records for its
+metrics (ExpertRecord), kept out of the lesson script.
 """
 
+import argparse
 import math
 
 import torch
@@ -27,7 +31,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from utils.data import load_token_dataset
+from utils.distributed_utils import CourseError
 from utils.model import MLP, ModelConfig, TransformerLM, build_model, init_weights, loss_fn
+from utils.training import non_negative_float, positive_int
 
 
 def _generator(seed: int, layer: int, index: int) -> torch.Generator:
@@ -157,3 +163,85 @@ def train_reference(options, groups: int, steps: int | None = None):
         losses.append(loss.item())
         aux_losses.append(aux.item())
     return losses, aux_losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------------------------------
+# The lesson script's command line, checks and metrics for --parallel ep
+# --------------------------------------------------------------------------------------------------
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def add_expert_options(parser):
+    """--experts, --top-k, --capacity-factor, --aux-loss-weight and any other option of expert parallelism only."""
+    parser.add_argument("--experts", type=positive_int, default=4, help="experts per MoE layer (divisible by ranks)")
+    parser.add_argument("--top-k", type=positive_int, default=2, help="experts per token")
+    parser.add_argument(
+        "--capacity-factor", type=positive_float, default=1.25, help="capacity = ceil(C x tokens x k / E) per rank"
+    )
+    parser.add_argument("--aux-loss-weight", type=non_negative_float, default=0.01, help="load-balancing loss weight")
+
+
+def check_experts(args, world_size: int):
+    """Refuse what cannot run, with one line, before any collective."""
+    if args.experts % world_size:
+        divisors = [str(n) for n in range(1, args.experts + 1) if args.experts % n == 0]
+        fits = " or ".join([", ".join(divisors[:-1]), divisors[-1]] if len(divisors) > 1 else divisors)
+        raise CourseError(
+            f"--experts {args.experts} does not split evenly over {world_size} ranks: use a multiple of {world_size} "
+            f"experts, or launch {fits} processes"
+        )
+    if args.top_k > args.experts:
+        raise CourseError(f"--top-k {args.top_k} is more than --experts {args.experts}: choose at most {args.experts}")
+
+
+class ExpertRecord:
+    """What an expert-parallel run records, step by step: the losses averaged over the ranks, each expert's choices
+    (before the capacity) and kept rows (after it), all ranks together, in one all-reduce a step; and the rows each
+    rank sent and received in step 1's dispatches. `layers`: the model's blocks, whose .mlp is the lesson's MoEMLP
+    (after each forward: aux_loss, chosen, kept, splits)."""
+
+    def __init__(self, layers, n_experts: int):
+        self.layers, self.n_experts = list(layers), n_experts
+        self.losses, self.aux_losses, self.chosen, self.kept, self.splits = [], [], [], [], []
+
+    def step(self, loss: torch.Tensor, aux: torch.Tensor) -> tuple[float, float]:
+        """After a step: (the mean loss, the mean auxiliary loss) over the ranks."""
+        world_size = dist.get_world_size()
+        summed = torch.cat([torch.stack([loss.detach(), aux.detach()]) / world_size]
+                           + [torch.cat([b.mlp.chosen, b.mlp.kept]).to(loss.dtype) for b in self.layers])  # fmt: skip
+        dist.all_reduce(summed)
+        self.losses.append(summed[0].item())
+        self.aux_losses.append(summed[1].item())
+        counts = summed[2:].view(len(self.layers), 2, self.n_experts).round().long().tolist()
+        self.chosen.append([layer[0] for layer in counts])
+        self.kept.append([layer[1] for layer in counts])
+        if not self.splits:
+            self.splits = [block.mlp.splits for block in self.layers]
+        return self.losses[-1], self.aux_losses[-1]
+
+    @property
+    def dropped(self) -> list:
+        """[step][layer]: the choices dropped, all ranks together."""
+        return [[sum(c) - sum(k) for c, k in zip(*step)] for step in zip(self.chosen, self.kept)]
+
+    def metrics(self, all_to_all_bytes: int) -> dict:
+        """The metrics file's part of it (every rank calls it): all_to_all_bytes, this rank's all-to-all input
+        bytes in step 1."""
+        rows = [[sum(send), sum(receive)] for send, receive in self.splits]
+        mine = {"bytes": all_to_all_bytes, "rows": rows, "send_splits": [send for send, _ in self.splits]}
+        sent = [None] * dist.get_world_size()
+        dist.all_gather_object(sent, mine)
+        return {
+            "losses": self.losses,
+            "aux_losses": self.aux_losses,
+            "expert_choices": self.chosen,  # [step][layer][expert]: choices before the capacity, all ranks together
+            "expert_load": self.kept,  # [step][layer][expert]: rows each expert processed
+            "dropped": self.dropped,  # [step][layer]
+            "all_to_all": sent,  # per rank, step 1: input bytes; per layer [rows sent, received]; rows to each rank
+        }

@@ -93,13 +93,13 @@ INTERNALS = [
     ),
     Internal(
         "torch.distributed.tensor.experimental._attention._cp_options",
-        "lesson 09's built-in context parallelism (solutions/09_context_and_experts.py or utils/compat.py)",
+        "utils/compat.py (configure_context_parallel), called by solutions/09_context_and_experts.py",
         "choose the causal load balancing of context_parallel (the public API has no switch for it)",
         "none in torch 2.11-2.13: the default options",
     ),
     Internal(
         "torch.distributed.tensor.experimental._attention.set_rotate_method",
-        "lesson 09's built-in context parallelism (solutions/09_context_and_experts.py or utils/compat.py)",
+        "utils/compat.py (configure_context_parallel), called by solutions/09_context_and_experts.py",
         "pass keys and values around the ring (the from-scratch lesson's method) instead of all-gathering them",
         "none in torch 2.11-2.13: the default (all-gather)",
     ),
