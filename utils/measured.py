@@ -31,7 +31,8 @@ def conditions(load_before: str, command: str) -> str:
         f"measured {time.strftime('%Y-%m-%d %H:%M %Z')} on {cpu_name()} ({os.cpu_count()} cores, "
         f"{platform.system()}), load average {load_before} before the runs and {load_average()} after; "
         f"torch {torch.__version__}, Python {sys.version.split()[0]}; command: {command}. "
-        "A load above the core count means other jobs shared the cores: these are not the machine's speed."
+        "The load counts runnable processes: more than our own processes explain (by over half a core) means other "
+        "jobs shared the cores, and such figures (marked LOADED) are not the machine's speed."
     )
 
 
