@@ -349,6 +349,14 @@ def test_simulate_order_gives_the_formulas_and_a_split_backward_idles_less():
     assert idle == Fraction(1, 7) and max(end for t in timelines for _, _, _, end, _ in t) == 7, timelines
     with pytest.raises(RuntimeError, match="no rank can go on"):  # rank 0 waits for a gradient before its forward
         simulate_order([[("I", 0, 0), ("F", 0, 0)], [("F", 1, 0), ("I", 1, 0)]], 2, lambda kind, stage: 1)
+    # One rank holding both stages, cost growing with the stage: F 1 + 2, then B of the last stage (after its own F)
+    # 4, then B of the first 2: 9 units, no idle time.
+    chain = [[("F", 0, 0), ("F", 1, 0), ("B", 1, 0), ("B", 0, 0)]]
+    timelines, idle = simulate_order(chain, 2, lambda kind, stage: unit[kind] * (stage + 1))
+    assert idle == 0 and timelines[0][-1][3] == 9, timelines
+    for wrong in ([("W", 0, 0), ("F", 0, 0), ("I", 0, 0)], [("I", 0, 0), ("F", 0, 0)]):  # W before its I; I before F
+        with pytest.raises(RuntimeError, match="no rank can go on"):
+            simulate_order([wrong], 1, lambda kind, stage: 1)
 
 
 def test_cost_aware_partition_is_the_best_cut_and_never_slower_than_equal_blocks():

@@ -66,8 +66,12 @@ def test_a_ranks_own_slice_of_the_course_model():
                 split = rank_parameter_shapes(model, heads, pp, stage)  # as many TP ranks as heads
                 assert len(split) == len(whole)
                 blocks = len(real.blocks)
-                shrunk = sum(a != b for a, b in zip(split, rank_parameter_shapes(model, 1, pp, stage)))
+                whole_order = rank_parameter_shapes(model, 1, pp, stage)  # tp = 1, in the same order as split
+                shrunk = sum(a != b for a, b in zip(split, whole_order))
                 assert shrunk == 10 * blocks  # per block 4 weights + 4 biases by rows, 2 weights by columns
+                by_rows = sum(a[0] != b[0] for a, b in zip(split, whole_order))
+                by_columns = sum(len(a) == 2 and a[1] != b[1] for a, b in zip(split, whole_order))
+                assert (by_rows, by_columns) == (8 * blocks, 2 * blocks)  # q/k/v/up by rows, o/down by columns
     # ZeRO-3 pads each tensor's first dimension to a multiple of dp, as FSDP2 does: 15 positions over 2 ranks, 8 each.
     model = Model(0, 1, 24, 3, 256, 15)
     shapes = rank_parameter_shapes(model, 3, 1, 0)
