@@ -92,12 +92,16 @@ def main():
         #   sequence in the batch is one next-token prediction, so a batch of B sequences of T tokens is B x T.
         # BEGIN SOLUTION
         throughput.step(inputs.numel())
+        # EXERCISE
+        # pass  # until TODO 2 feeds the meter, it reports 0 tokens/s (the rest of the script runs: TODO 1 is checkable)
         # END SOLUTION
 
         # TODO 3: log the loss to tensorboard (and wandb). Call logger.log with the step number and, as keyword
         #   arguments, the scalars to record: `loss` (the latest value in `losses`) and `tokens_per_s`.
         # BEGIN SOLUTION
         logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)
+        # EXERCISE
+        # pass  # until TODO 3 logs them, tensorboard receives no scalars
         # END SOLUTION
         if step % args.log_every == 0 or step == args.steps:
             print0(f"step {step:4d}  loss {losses[-1]:.4f}")
