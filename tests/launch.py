@@ -8,6 +8,8 @@ Launches are warm by default: the ranks fork from a process that imported torch 
 ten on 2 cores. Each script's first torchrun launch in a session runs torchrun itself, so every lesson
 still runs as a learner runs it; so do launches with `cold=True`, `max_restarts`, another
 environment's python, an environment that an import reads differently, or COURSE_COLD_RANKS=1.
+`make mutants` checks hundreds of copies of a lesson, each in a session of its own: there the first launch
+is warm too (COURSE_FIRST_LAUNCH_WARM=1), since what it checks is the TODOs, which torchrun does not change.
 """
 
 import atexit
@@ -83,7 +85,8 @@ def torchrun(script, nproc: int, args=(), *, tmp_path=None, timeout: float = 180
     env = env or course_env()
     metrics_path = _metrics_path(command, script, tmp_path, str(nproc))
     if cold is None:  # each script's first launch in a session: torchrun itself
-        cold = Path(script).resolve() not in _started_by_torchrun
+        first = Path(script).resolve() not in _started_by_torchrun
+        cold = first and os.environ.get("COURSE_FIRST_LAUNCH_WARM") != "1"
     if not (cold or max_restarts or str(python) != sys.executable) and (pool := warm_pool(env)):
         return _run_warm(pool, command, script, nproc, timeout, env, metrics_path)
     _started_by_torchrun.add(Path(script).resolve())

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -539,16 +540,28 @@ def signalled_torchrun(script, args, *, signum, shutdown_timeout, after="step   
 
 @pytest.fixture(scope="module")
 def signalled(lesson, tmp_path_factory):
+    """signalled(name) -> (Run, folder). The first call starts every SIGNAL_RUNS run at once: they spend most of
+    their time in their slowed steps and saves (sleeps), so side by side they take about as long as one."""
     tmp, done = tmp_path_factory.mktemp("lesson08-signals"), {}
 
+    def one(name):
+        signum, shutdown_timeout, save_s = SIGNAL_RUNS[name]
+        folder = tmp / name
+        args = [*COMMON, *TWO, "--checkpoint-every", "100", "--checkpoint-dir", folder / "checkpoints",
+                "--log-dir", folder / "runs", "--slow-steps", "1", "--slow-save", save_s]  # fmt: skip
+        return signalled_torchrun(lesson("08"), args, signum=signum, shutdown_timeout=shutdown_timeout), folder
+
     def launch(name):
-        if name not in done:
-            signum, shutdown_timeout, save_s = SIGNAL_RUNS[name]
-            folder = tmp / name
-            args = [*COMMON, *TWO, "--checkpoint-every", "100", "--checkpoint-dir", folder / "checkpoints",
-                    "--log-dir", folder / "runs", "--slow-steps", "1", "--slow-save", save_s]  # fmt: skip
-            result = signalled_torchrun(lesson("08"), args, signum=signum, shutdown_timeout=shutdown_timeout)
-            done[name] = result, folder
+        if not done:
+            with ThreadPoolExecutor(len(SIGNAL_RUNS)) as pool:
+                futures = {run: pool.submit(one, run) for run in SIGNAL_RUNS}
+            for run, future in futures.items():
+                try:
+                    done[run] = future.result()
+                except AssertionError as failure:  # that run's tests fail with its message; the others go on
+                    done[run] = failure
+        if isinstance(done[name], AssertionError):
+            raise done[name]
         return done[name]
 
     return launch

@@ -42,6 +42,20 @@ def sections(text: str) -> dict[int, list[str]]:
     return result
 
 
+def not_started(lesson: str, folder: Path) -> set[int]:
+    """The TODOs of `lesson` whose lines in the learner's copy (in `folder`) are still as generated."""
+    if (lesson, folder) not in _not_started:
+        solution = next((ROOT / "solutions").glob(f"{lesson}_*.py"))
+        exercise = folder / solution.name
+        pristine = sections(make_exercise(solution.read_text(), solution.name)[0])
+        mine = sections(exercise.read_text()) if exercise.exists() else {}
+        _not_started[lesson, folder] = {n for n, lines in pristine.items() if mine.get(n) == lines}
+    return _not_started[lesson, folder]
+
+
+_not_started: dict[tuple[str, Path], set[int]] = {}
+
+
 def one_line(report) -> str:
     """The failure's own message, first line, without pytest's assertion rewriting or the exception name."""
     blocked = re.search(r"TODO \d+: needs (TODO \d+) first", str(report.longrepr))
@@ -103,10 +117,13 @@ class TodoReport:
                 else:
                     status = "no test selected"
                 write(f"  TODO {todo.number:<2} {(todo.title + ' ').ljust(width, '.')} {status}")
-            others = by_todo.get(None, [])
+            others = [(n, r) for n, r in by_todo.get(None, []) if r.outcome != "skipped"]
             failed = [(n, r) for n, r in others if r.outcome == "failed"]
+            waiting = not_started(lesson, self.folder)
             if others:
                 write(f"  other checks: {len(others) - len(failed)} of {len(others)} passing")
+            elif by_todo.get(None) and waiting:
+                write(f"  other checks (the whole script): run once every TODO is started (TODO {min(waiting)} is not)")
                 for name, report in failed[:5]:
                     write(f"    {name}: {one_line(report)}")
             write(f"{done} of {len(todos)} TODOs done")

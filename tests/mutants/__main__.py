@@ -7,12 +7,14 @@ earn partial credit?
 For each mutant, the lesson's solution with that one mistake becomes a learner's completed exercise (in a
 temporary folder) and `make check`'s machinery runs on it (the lesson's tests with --target-dir, then the
 one-line-per-TODO report). The table shows lesson, TODO, the mistake, and the line a learner would see.
-Killed: the mutant's TODO is "failing" and no other TODO is. --quick runs only the tests named after the
-mutant's TODO (faster while writing mutants; it cannot see another TODO being blamed).
+Killed: the mutant's TODO is "failing" and no other TODO is. Every TODO's tests run (the lesson's whole-script
+checks, which no TODO line reads, do not); --quick runs only the tests named after the mutant's TODO (faster while
+writing mutants; it cannot see another TODO being blamed).
 """
 
 import argparse
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.launch import course_env
 from tests.mutants import Mutant
 from utils.make_exercises import BEGIN, END, TODO_HEADER, make_exercise
 
@@ -75,13 +78,15 @@ def apply(mutant: Mutant, text: str) -> str:
 def check(lesson: str, script_text: str, tests: str | None = None) -> tuple[dict[int, str], str, str]:
     """Run the lesson's tests on `script_text` as a learner's exercise: ({todo: status}, count line, output)."""
     solution = solution_of(lesson)
-    # In a folder directly under the course root: the script finds utils/ one level up, as in solutions/.
+    # As make check runs them (the Slurm jobs left out), in a folder directly under the course root: the script
+    # finds utils/ one level up, as in solutions/.
     with tempfile.TemporaryDirectory(prefix=".mutant-", dir=ROOT) as folder:
         (Path(folder) / solution.name).write_text(script_text)
         command = [sys.executable, "-m", "pytest", *sorted(map(str, (ROOT / "tests").glob(f"test_{lesson}_*.py"))),
                    "--target-dir", folder, "-qq", "--tb=no", "-rN", "-o", "addopts=", "-p", "no:warnings",
-                   "-p", "no:cacheprovider", *(["-k", tests] if tests else [])]  # fmt: skip
-        output = subprocess.run(command, cwd=ROOT, capture_output=True, text=True).stdout
+                   "-p", "no:cacheprovider", "-m", "not slurm", *(["-k", tests] if tests else [])]  # fmt: skip
+        env = {**os.environ, "COURSE_FIRST_LAUNCH_WARM": "1"}  # tests/launch.py: the TODOs, not torchrun, under test
+        output = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True).stdout
     statuses = {int(m.group(1)): m.group(3) for m in map(REPORT_LINE.match, output.splitlines()) if m}
     count = next((line for line in output.splitlines() if COUNT_LINE.match(line)), "(no report)")
     return statuses, count, output
@@ -100,7 +105,8 @@ def run_mutants(selected: list[str], todo: int | None, quick: bool) -> int:
             try:
                 mutated = apply(mutant, text)
                 learner = make_exercise(mutated, solution.name, done={t.number for t in todos})[0]
-                statuses, _, output = check(lesson, learner, f"todo{mutant.todo}_ or todos_" if quick else None)
+                # The verdict reads the TODOs' lines only: whole-script checks (not named after a TODO) need not run.
+                statuses, _, output = check(lesson, learner, f"todo{mutant.todo}_ or todos_" if quick else "todo")
                 own = statuses.get(mutant.todo, "no report:\n" + output[-1500:])
                 blamed = [n for n, s in statuses.items() if n != mutant.todo and s.startswith("failing")]
                 killed = own.startswith("failing") and not blamed
@@ -132,6 +138,14 @@ def run_partial_credit(selected: list[str]) -> int:
     return 1 if failed else 0
 
 
+def share_warm_ranks():
+    """One warm-ranks pool for every check this command runs (each check is a pytest session of its own, which
+    would otherwise start one): its launches fork from a process that imported torch once."""
+    from tests.launch import warm_pool
+
+    warm_pool(course_env())  # started, and its socket put in os.environ, which the checks inherit
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lesson", default=None, help="one lesson, e.g. 03 (default: all)")
@@ -140,6 +154,7 @@ def main() -> int:
     parser.add_argument("--partial-credit", action="store_true", help="check partial credit instead of mutants")
     args = parser.parse_args()
     selected = [args.lesson] if args.lesson else lessons()
+    share_warm_ranks()
     if args.partial_credit:
         return run_partial_credit(selected)
     return run_mutants(selected, args.todo, args.quick)

@@ -1,0 +1,26 @@
+"""Partial credit, in `make test`: a learner who finished a lesson's first TODO, and only that, reads
+"1 of N TODOs done" from `make check`.
+
+The mistake this catches is the one that made lesson 03 read "0 of 7" until its last TODO was done: a TODO's
+tests that read a whole-script launch, which stops at the first unfinished TODO after it. The full ladder
+(TODOs 1..k done must read "k of N" for every k) runs one lesson check per k, too slow for every `make test`:
+`make mutants` runs it (`python -m tests.mutants --partial-credit`), before a workshop and for every changed TODO.
+"""
+
+import pytest
+
+from tests.mutants.__main__ import check, lessons, solution_of
+from utils.make_exercises import make_exercise
+
+
+@pytest.mark.parametrize("lesson", lessons())
+def test_the_first_todo_done_alone_counts_as_one(lesson):
+    solution = solution_of(lesson)
+    _, todos = make_exercise(solution.read_text(), solution.name)
+    learner = make_exercise(solution.read_text(), solution.name, done={todos[0].number})[0]
+    statuses, count, output = check(lesson, learner)
+    assert count == f"1 of {len(todos)} TODOs done", (
+        f"lesson {lesson}, TODO 1 completed (the solution's) and the others as generated: make check says "
+        f"{count!r}, TODO lines {statuses}. A TODO's tests may only need that TODO and the ones before it.\n"
+        + output[-3000:]
+    )
