@@ -6,6 +6,10 @@ makes there. `make mutants` (python -m tests.mutants) gives each mutated solutio
 learner's completed exercise: the mutant is killed when `make check` shows its TODO as failing and blames no
 other TODO. Run it before a workshop and for every new or changed TODO; tests/test_mutants.py checks, in
 `make test`, that every TODO has at least two mutants that apply.
+
+A TODO whose tests build on an earlier TODO's code (lesson 03's ZeRO-2 on TODO 1's slices, lesson 07's encoding
+on TODO 3's quantize) first runs that TODO's own check and, when it fails, fails with "TODO n: needs TODO k
+first": the report shows TODO n as waiting, not failing, so one mistake is blamed on one TODO.
 """
 
 from dataclasses import dataclass
