@@ -264,7 +264,8 @@ def test_todo1_coordinates_tp_innermost_pp_outermost(script):
     check_todo1(script)
 
 
-def test_todo2_groups_of_each_dimension(script):
+def test_todo2_groups_of_each_dimension(script, needs):
+    needs(1)  # the groups are read from TODO 1's coordinates
     check_todo2(script)
 
 

@@ -24,3 +24,7 @@ def test_the_first_todo_done_alone_counts_as_one(lesson):
         f"{count!r}, TODO lines {statuses}. A TODO's tests may only need that TODO and the ones before it.\n"
         + output[-3000:]
     )
+    untouched = {t.number: statuses.get(t.number) for t in todos[1:]}
+    assert set(untouched.values()) <= {"not started"}, (
+        f"lesson {lesson}: the TODOs still as generated should read 'not started' (their tests skipped): {untouched}"
+    )

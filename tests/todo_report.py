@@ -122,8 +122,8 @@ class TodoReport:
             waiting = not_started(lesson, self.folder)
             if others:
                 write(f"  other checks: {len(others) - len(failed)} of {len(others)} passing")
-            elif by_todo.get(None) and waiting:
-                write(f"  other checks (the whole script): run once every TODO is started (TODO {min(waiting)} is not)")
                 for name, report in failed[:5]:
                     write(f"    {name}: {one_line(report)}")
+            elif by_todo.get(None) and waiting:
+                write(f"  other checks (the whole script): run once every TODO is started (TODO {min(waiting)} is not)")
             write(f"{done} of {len(todos)} TODOs done")
