@@ -93,8 +93,8 @@ class TodoReport:
         for lesson, by_todo in sorted(self.outcomes.items()):
             solution = next((ROOT / "solutions").glob(f"{lesson}_*.py"))
             exercise = self.folder / solution.name
-            generated, todos = make_exercise(solution.read_text(), solution.name)
-            pristine, mine = sections(generated), sections(exercise.read_text()) if exercise.exists() else {}
+            todos = make_exercise(solution.read_text(), solution.name)[1]
+            waiting = not_started(lesson, self.folder)
             write("")
             write(f"Lesson {lesson}: {exercise.relative_to(ROOT) if exercise.is_relative_to(ROOT) else exercise}")
             done = 0
@@ -102,7 +102,7 @@ class TodoReport:
             for todo in todos:
                 results = by_todo.get(todo.number, [])
                 failures = [r for _, r in results if r.outcome == "failed"]
-                untouched = mine.get(todo.number) == pristine.get(todo.number)
+                untouched = todo.number in waiting
                 passed = [r for _, r in results if r.outcome == "passed"]
                 if passed and not failures:
                     status, done = "passing", done + 1
@@ -119,7 +119,6 @@ class TodoReport:
                 write(f"  TODO {todo.number:<2} {(todo.title + ' ').ljust(width, '.')} {status}")
             others = [(n, r) for n, r in by_todo.get(None, []) if r.outcome != "skipped"]
             failed = [(n, r) for n, r in others if r.outcome == "failed"]
-            waiting = not_started(lesson, self.folder)
             if others:
                 write(f"  other checks: {len(others) - len(failed)} of {len(others)} passing")
                 for name, report in failed[:5]:
