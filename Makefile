@@ -56,9 +56,10 @@ lint: setup
 # CPU only, even on a GPU node: the notebooks' committed outputs were made on CPU with gloo, and the
 # tests compare against them (CUDA_VISIBLE_DEVICES= hides the GPUs from every process started here).
 # TEST_WORKERS pytest processes share the tests (pytest-xdist); a test file or a notebook stays on one of them
-# (--dist loadscope), so its module fixtures and its kernel are its own. Two fill a 2-core machine: the launches
-# spend much of their time waiting (rendezvous, timeouts, Slurm); TEST_WORKERS=0 runs one stream.
-TEST_WORKERS ?= 2
+# (--dist loadscope), so its module fixtures and its kernel are its own. Two fill a 2-core machine (the launches
+# spend much of their time waiting), but notebook 02's per-rank memory cells then read pages the other stream
+# shares and failed once in three runs: one stream (0) stays the default until those cells are made robust.
+TEST_WORKERS ?= 0
 test: lint
 	$(BIN)/python -m utils.make_exercises --check
 	CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest tests/ notebooks/ --nbval --durations=30 \
