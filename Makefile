@@ -56,14 +56,14 @@ lint: setup
 # CPU only, even on a GPU node: the notebooks' committed outputs were made on CPU with gloo, and the
 # tests compare against them (CUDA_VISIBLE_DEVICES= hides the GPUs from every process started here).
 # TEST_WORKERS pytest processes share the tests (pytest-xdist); a test file or a notebook stays on one of them
-# (--dist loadscope), so its module fixtures and its kernel are its own. Two fill a 2-core machine (the launches
-# spend much of their time waiting), but notebook 02's per-rank memory cells then read pages the other stream
-# shares and failed once in three runs: one stream (0) stays the default until those cells are made robust.
-TEST_WORKERS ?= 0
+# (--dist loadscope), so its module fixtures and its kernel are its own, and the longest files start first
+# (tests/session_plugin.py). Two fill a 2-core machine: the launches spend much of their time waiting.
+# TEST_WORKERS=0 runs everything in one stream, in file order.
+TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m utils.make_exercises --check
 	CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest tests/ notebooks/ --nbval --durations=30 \
-		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope,)
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder,)
 
 # Instructors: run the notebooks only (all, or LESSON=NN), each as a learner would, against its committed outputs.
 notebooks: setup

@@ -4,6 +4,7 @@
 - The suite never downloads: HF_*_OFFLINE and WANDB_MODE=offline for this process and the kernels it starts.
   The kernels' launches then read what the tests' launches read (HF_* at `import datasets`), so both use the
   session's warm ranks (utils/warm_ranks.py), started before the first kernel when notebooks run.
+- With several streams (pytest-xdist, `make test`), the files that take longest start first.
 - At the end: the time of each test file and of each notebook.
 """
 
@@ -21,6 +22,33 @@ def pytest_configure(config):
         from tests.launch import course_env, warm_pool
 
         warm_pool(course_env())  # started before the first kernel, so that every kernel finds it
+
+
+# The longest files and notebooks, longest first (their times in `make test`'s report, two streams on 2 cores).
+# A stream takes a whole file at a time: started last, a long file would leave the other stream idle at the end.
+LONGEST_FIRST = [
+    "tests/test_slurm.py",
+    "tests/test_08_fault_tolerance.py",
+    "tests/test_03_zero_fsdp.py",
+    "notebooks/01_collectives.ipynb",
+    "tests/test_04_tensor_parallel.py",
+    "tests/test_06_3d_parallelism.py",
+    "tests/test_notebook_ranks.py",
+    "tests/test_02_data_parallel.py",
+    "notebooks/02_data_parallel.ipynb",
+    "tests/test_05_pipeline_parallel.py",
+    "tests/test_01_collectives.py",
+    "notebooks/03_zero_fsdp.ipynb",
+    "tests/test_07_communication_efficient.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):
+        return  # one stream: the order of the files does not change its time
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    position = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)), position[id(item)]))
 
 
 # Each notebook's and each test file's time (set-up, run and tear-down summed), printed at the end: the

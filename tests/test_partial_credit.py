@@ -9,16 +9,27 @@ tests that read a whole-script launch, which stops at the first unfinished TODO 
 
 import pytest
 
-from tests.mutants.__main__ import check, lessons, solution_of
+from tests.mutants.__main__ import check_lessons, lessons, solution_of
 from utils.make_exercises import make_exercise
 
 
+def first_todo_done(lesson: str) -> tuple[str, list]:
+    """The lesson's exercise with TODO 1 completed (the solution's code) and the others as generated; its TODOs."""
+    text, name = solution_of(lesson).read_text(), solution_of(lesson).name
+    todos = make_exercise(text, name)[1]
+    return make_exercise(text, name, done={todos[0].number})[0], todos
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """Every lesson checked in one pytest session (one start of pytest and torch instead of one a lesson)."""
+    return check_lessons({lesson: first_todo_done(lesson)[0] for lesson in lessons()})
+
+
 @pytest.mark.parametrize("lesson", lessons())
-def test_the_first_todo_done_alone_counts_as_one(lesson):
-    solution = solution_of(lesson)
-    _, todos = make_exercise(solution.read_text(), solution.name)
-    learner = make_exercise(solution.read_text(), solution.name, done={todos[0].number})[0]
-    statuses, count, output = check(lesson, learner)
+def test_the_first_todo_done_alone_counts_as_one(lesson, reports):
+    todos = first_todo_done(lesson)[1]
+    statuses, count, output = reports[lesson]
     assert count == f"1 of {len(todos)} TODOs done", (
         f"lesson {lesson}, TODO 1 completed (the solution's) and the others as generated: make check says "
         f"{count!r}, TODO lines {statuses}. A TODO's tests may only need that TODO and the ones before it.\n"

@@ -15,6 +15,7 @@ what rank 0 prints and returning the script's metrics file as a dict.
 After a crashed kernel, stop leftover ranks from a terminal with `python -m utils.notebook stop-ranks`.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -45,8 +46,10 @@ def kill_tree(pid: int):
     psutil.wait_procs(family, timeout=10)
 
 
-def torchrun(script, nproc: int = 2, args=(), *, show: bool = True, timeout: float = 300) -> dict:
-    """Launch `script` (a path relative to the course root) with `nproc` processes; return its metrics."""
+def torchrun(script, nproc: int = 2, args=(), *, show: bool = True, timeout: float = 300, cold: bool = False) -> dict:
+    """Launch `script` (a path relative to the course root) with `nproc` processes; return its metrics.
+    cold=True: torchrun itself even under the test suite, whose warm ranks are forked from one process and share its
+    memory (a measurement of a rank's memory must see the processes that a learner's torchrun starts)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics_path = Path(tmp) / "metrics.json"
         command = [
@@ -56,7 +59,7 @@ def torchrun(script, nproc: int = 2, args=(), *, show: bool = True, timeout: flo
         ]  # fmt: skip
         # One thread per process: the ranks share the machine's cores (and torchrun stays quiet).
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
-        returncode, stdout, stderr = _launch(command, nproc, env, timeout, script)
+        returncode, stdout, stderr = _launch(command, nproc, env, timeout, script, cold)
         if show:
             print(stdout, end="")
         if returncode != 0:
@@ -65,12 +68,12 @@ def torchrun(script, nproc: int = 2, args=(), *, show: bool = True, timeout: flo
         return json.loads(metrics_path.read_text())
 
 
-def _launch(command: list, nproc: int, env: dict, timeout: float, script) -> tuple[int, str, str]:
+def _launch(command: list, nproc: int, env: dict, timeout: float, script, cold: bool) -> tuple[int, str, str]:
     """Run torchrun's command; under `make test` on the test session's warm ranks instead (utils/warm_ranks.py),
-    which print the same and start in a fraction of the time."""
+    which print the same and start in a fraction of the time, unless `cold`."""
     from utils.warm_ranks import WarmRanks
 
-    pool = WarmRanks.from_environment()
+    pool = None if cold else WarmRanks.from_environment()
     if pool is not None and pool.can_launch(env):
         at = command.index(str(ROOT / script))
         script_and_args = command[at], command[at + 1 :]
@@ -172,6 +175,9 @@ class Ranks:
             n=world_size,
             cluster_id=f"{CLUSTER_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}",
             log_level=logging.ERROR,
+            # The controller finishes an engine's registration at its next heartbeat (every 3 s by default): a
+            # beat each second starts the ranks seconds sooner; a rank is declared dead after 10 missed beats.
+            controller_args=["--HeartMonitor.period=1000"],
         )
         self.cluster.start_cluster_sync()
         self.client = self.cluster.connect_client_sync()
@@ -267,7 +273,12 @@ class Ranks:
             try:
                 self.cluster.stop_cluster_sync()
             finally:
+                # What is left are the engines' nannies (watchers that forward signals), which would take
+                # seconds to notice that their engine is gone: their work is over, so they are stopped now.
                 alive = [p for p in self.processes if p.is_running()]
+                for process in alive:
+                    with contextlib.suppress(psutil.Error):
+                        process.terminate()
                 _, still_alive = psutil.wait_procs(alive, timeout=timeout)
                 for process in still_alive:
                     kill_tree(process.pid)

@@ -26,6 +26,7 @@ Uneven sizes: 1, 3 and 4 pad the last round by repeating samples from the start 
 """
 
 import argparse
+import ctypes
 import gc
 import json
 import math
@@ -254,16 +255,41 @@ def rss_mb() -> float:
 
 
 def memory_mb() -> dict:
-    """This process's memory now, in MB: rss (every page it touches, shared ones included) and pss (its share:
-    a page that k processes map counts 1/k in each), from /proc/self/smaps_rollup (Linux; else pss = rss)."""
-    rollup = Path("/proc/self/smaps_rollup")
-    if not rollup.exists():
+    """The memory this process holds for its data now, in MB: rss (every page it touches, shared ones included)
+    and pss (its share: a page that k processes map counts 1/k in each), summed over /proc/self/smaps (Linux;
+    elsewhere both are the whole process's RSS).
+
+    Program and library files (Python's and torch's code) are left out: every Python process on the machine maps
+    them, so this process's share of them changes whenever another process starts or stops, whatever it holds.
+    """
+    smaps = Path("/proc/self/smaps")
+    if not smaps.exists():
         return {"rss": rss_mb(), "pss": rss_mb()}
-    fields = {}
-    for line in rollup.read_text().splitlines()[1:]:
-        key, value = line.split(":", 1)
-        fields[key] = int(value.split()[0]) / 1024
-    return {"rss": fields["Rss"], "pss": fields["Pss"]}
+    totals, counted = {"rss": 0.0, "pss": 0.0}, True
+    for line in smaps.read_text().splitlines():
+        first = line.split(maxsplit=1)[0]
+        if not first.endswith(":"):  # a mapping's header: address range, permissions, offset, device, inode, path
+            fields = line.split(maxsplit=5)
+            counted = not is_code_file(fields[5] if len(fields) > 5 else "")
+        elif counted and first in ("Rss:", "Pss:"):
+            totals[first[:-1].lower()] += int(line.split()[1]) / 1024
+    return totals
+
+
+def is_code_file(mapped_path: str) -> bool:
+    """A shared library or the Python executable (mapped by every Python process), not data."""
+    name = Path(mapped_path).name
+    return name.endswith(".so") or ".so." in name or mapped_path == os.path.realpath(sys.executable)
+
+
+def release_freed_memory():
+    """Collect garbage, then hand the heap's freed pages back to the OS (glibc keeps them for reuse otherwise, and
+    may return them in the middle of the next measurement): a "before" reading counts only what is still held."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        pass
 
 
 def load_copy(path) -> torch.Tensor:
@@ -316,7 +342,7 @@ def memory_benchmark(megabytes: int) -> list[dict]:
         write_token_file(path, random_tokens(megabytes))
     rows = []
     for how, load in [("a copy per process", load_copy), ("memory-mapped", map_tokens)]:
-        gc.collect()
+        release_freed_memory()
         dist.barrier()
         before = memory_mb()
         tokens = load(path)
@@ -366,7 +392,7 @@ def benchmark(megabytes: int, batch_size: int, seq_len: int, batches: int) -> li
 
     rows = []
     for strategy in ["1 dataset sharding", "2 iterable sharding", "3 batch-sampler sharding", "4 dispatching"]:
-        gc.collect()
+        release_freed_memory()
         dist.barrier()
         before = memory_mb()["pss"]
         start = time.perf_counter()

@@ -77,19 +77,33 @@ def apply(mutant: Mutant, text: str) -> str:
 
 def check(lesson: str, script_text: str, tests: str | None = None) -> tuple[dict[int, str], str, str]:
     """Run the lesson's tests on `script_text` as a learner's exercise: ({todo: status}, count line, output)."""
-    solution = solution_of(lesson)
-    # As make check runs them (the Slurm jobs left out), in a folder directly under the course root: the script
-    # finds utils/ one level up, as in solutions/.
+    return check_lessons({lesson: script_text}, tests)[lesson]
+
+
+def check_lessons(scripts: dict[str, str], tests: str | None = None) -> dict[str, tuple[dict[int, str], str, str]]:
+    """Run several lessons' tests, each on its learner's script, in one pytest session (one folder holds all the
+    scripts: each has its own lesson's file name): {lesson: ({todo: status}, count line, output)}."""
+    # As make check runs them (the Slurm jobs left out), in a folder directly under the course root: the scripts
+    # find utils/ one level up, as in solutions/.
     with tempfile.TemporaryDirectory(prefix=".mutant-", dir=ROOT) as folder:
-        (Path(folder) / solution.name).write_text(script_text)
-        command = [sys.executable, "-m", "pytest", *sorted(map(str, (ROOT / "tests").glob(f"test_{lesson}_*.py"))),
+        for lesson, text in scripts.items():
+            (Path(folder) / solution_of(lesson).name).write_text(text)
+        test_files = sorted(str(path) for lesson in scripts for path in (ROOT / "tests").glob(f"test_{lesson}_*.py"))
+        command = [sys.executable, "-m", "pytest", *test_files,
                    "--target-dir", folder, "-qq", "--tb=no", "-rN", "-o", "addopts=", "-p", "no:warnings",
                    "-p", "no:cacheprovider", "-m", "not slurm", *(["-k", tests] if tests else [])]  # fmt: skip
         env = {**os.environ, "COURSE_FIRST_LAUNCH_WARM": "1"}  # tests/launch.py: the TODOs, not torchrun, under test
         output = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True).stdout
-    statuses = {int(m.group(1)): m.group(3) for m in map(REPORT_LINE.match, output.splitlines()) if m}
-    count = next((line for line in output.splitlines() if COUNT_LINE.match(line)), "(no report)")
-    return statuses, count, output
+    # The report has one section a lesson, from its "Lesson NN: <script>" line to its "k of N TODOs done".
+    sections = {part[7:9]: part for part in re.split(r"^(?=Lesson \d\d: )", output, flags=re.M)[1:]}
+    results = {}
+    for lesson in scripts:
+        section = sections.get(lesson, "")
+        lines = section.splitlines()
+        statuses = {int(m.group(1)): m.group(3) for m in map(REPORT_LINE.match, lines) if m}
+        count = next((line for line in lines if COUNT_LINE.match(line)), "(no report)")
+        results[lesson] = (statuses, count, output if len(scripts) == 1 or not section else section)
+    return results
 
 
 def run_mutants(selected: list[str], todo: int | None, quick: bool) -> int:
