@@ -29,23 +29,30 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
+    reason = make_check_skips(item)
+    if reason:
+        pytest.skip(reason)
+
+
+def make_check_skips(item) -> str | None:
     """`make check` on a learner's copy: a TODO still as generated is "not started" whatever its tests would
     say, so they do not run (an untouched exercise is checked in seconds); the lesson's whole-script checks
     (tests not named after a TODO) wait until every TODO is started, since the script stops at the first
-    one that is not."""
+    one that is not. The reason `item` is skipped, or None where it runs."""
     if not checks_a_learners_copy(item.config):
-        return
+        return None
     from tests.todo_report import not_started, todos_of
 
     lesson = re.match(r"tests/test_(\d\d)_", item.nodeid)
     if not lesson:
-        return
+        return None
     waiting = not_started(lesson.group(1), target_folder(item.config))
     todos = todos_of(item.originalname or item.name)
     if todos and set(todos) <= waiting:
-        pytest.skip(f"TODO {todos[0]} not started")
+        return f"TODO {todos[0]} not started"
     if not todos and waiting:
-        pytest.skip(f"waits for TODO {min(waiting)} to be started")
+        return f"waits for TODO {min(waiting)} to be started"
+    return None
 
 
 def pytest_addoption(parser):

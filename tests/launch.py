@@ -8,8 +8,9 @@ Launches are warm by default: the ranks fork from a process that imported torch 
 ten on 2 cores. Each script's first torchrun launch in a session runs torchrun itself, so every lesson
 still runs as a learner runs it; so do launches with `cold=True`, `max_restarts`, another
 environment's python, an environment that an import reads differently, or COURSE_COLD_RANKS=1.
-`make mutants` checks hundreds of copies of a lesson, each in a session of its own: there the first launch
-is warm too (COURSE_FIRST_LAUNCH_WARM=1), since what it checks is the TODOs, which torchrun does not change.
+`make check` (a learner's exercise) and `make mutants` (hundreds of copies of a lesson, each in a session of its
+own) make the first launch warm too (COURSE_FIRST_LAUNCH_WARM=1): what they check is the TODOs, which torchrun
+does not change.
 """
 
 import atexit

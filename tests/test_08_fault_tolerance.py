@@ -8,7 +8,9 @@ the first time a test needs them, and shared. Every run trains 8 steps of the ti
 of 8 sequences; "reference" is never interrupted, and the others must end with its losses and checksum.
 """
 
+import contextlib
 import errno
+import functools
 import importlib.util
 import json
 import math
@@ -28,6 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from tests import launch
 from tests.launch import ROOT, Run, _run, course_env, python
 from tests.option_effects import check_shared_options, fake_wikitext, passed
 from utils.model import ModelConfig, build_model
@@ -50,7 +53,11 @@ RESHARD_TOLERANCE = 1e-4  # relative, on each loss: FSDP over 4 and 2 ranks adds
 
 def torchrun(script, nproc: int, args, *, folder, max_restarts: int = 0, timeout: float = 300) -> Run:
     """torchrun with restarts that work: --standalone, with each restart's workers on a fresh TCP store
-    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; else restarted workers may read the dead workers' addresses)."""
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; else restarted workers may read the dead workers' addresses).
+    A run without restarts launches as the other lessons' do (warm ranks where it can, tests/launch.py)."""
+    if not max_restarts:
+        env = course_env(COURSE_NO_PROGRESS=1)
+        return launch.torchrun(script, nproc, args, tmp_path=folder, timeout=timeout, env=env)
     metrics = folder / "metrics.json"
     metrics.unlink(missing_ok=True)
     command = [
@@ -61,21 +68,53 @@ def torchrun(script, nproc: int, args, *, folder, max_restarts: int = 0, timeout
     return _run(command, timeout, env, metrics)
 
 
-@pytest.fixture(scope="module")
-def run(lesson, tmp_path_factory):
-    """run(name) -> (Run, folder): launches RUNS[name] the first time it is asked for."""
-    tmp, done = tmp_path_factory.mktemp("lesson08"), {}
+def selected_tests_use(request, fixture: str) -> bool:
+    """Whether a test of this module that will run (selected, and not skipped by `make check`) uses `fixture`."""
+    from tests.conftest import make_check_skips
 
-    def launch(name):
-        if name not in done:
-            nproc, restarts, extra = RUNS[name]
-            folder = tmp / name
-            folder.mkdir()
-            args = [*COMMON, *extra, "--checkpoint-dir", folder / "checkpoints", "--log-dir", folder / "runs"]
-            done[name] = torchrun(lesson("08"), nproc, args, folder=folder, max_restarts=restarts), folder
-        return done[name]
+    module = request.node.path
+    return any(
+        item.path == module and fixture in item.fixturenames and not make_check_skips(item)
+        for item in request.session.items
+    )
 
-    return launch
+
+@contextlib.contextmanager
+def in_background(launches: dict, workers: int):
+    """{name: future of launches[name]()}: each launch started on one of `workers` threads; on leaving, every
+    launch has ended (each has its own timeout), so no process outlives the module."""
+    pool = ThreadPoolExecutor(workers)
+    try:
+        yield {name: pool.submit(launch) for name, launch in launches.items()}
+    finally:
+        pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def background_runs(request, lesson, tmp_path_factory):
+    """When this module's tests that will run read them, the RUNS start in the background as the module begins,
+    two at a time: much of their time is waiting (torchrun's restarts, saves), which the tests in this process
+    fill. {name: future of (Run, folder)}, or {} if no test reads them."""
+    if not selected_tests_use(request, "run"):
+        yield {}
+        return
+    tmp = tmp_path_factory.mktemp("lesson08")
+
+    def one(name):
+        nproc, restarts, extra = RUNS[name]
+        folder = tmp / name
+        folder.mkdir()
+        args = [*COMMON, *extra, "--checkpoint-dir", folder / "checkpoints", "--log-dir", folder / "runs"]
+        return torchrun(lesson("08"), nproc, args, folder=folder, max_restarts=restarts), folder
+
+    with in_background({name: functools.partial(one, name) for name in RUNS}, workers=2) as futures:
+        yield futures
+
+
+@pytest.fixture
+def run(background_runs):
+    """run(name) -> (Run, folder) of RUNS[name], launched in the background."""
+    return lambda name: background_runs[name].result()
 
 
 @pytest.fixture(scope="module")
@@ -517,18 +556,26 @@ def signalled_torchrun(script, args, *, signum, shutdown_timeout, after="step   
     ]  # fmt: skip
     env = course_env(COURSE_NO_PROGRESS=1, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(shutdown_timeout))
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, seen = [], threading.Event()
+    lines, reached, decided = [], threading.Event(), threading.Event()
 
     def read():
         for line in process.stdout:
             lines.append(line)
             if after in line:
-                seen.set()
+                reached.set()
+                decided.set()
+        decided.set()  # the output ended: the run is over (a crash need not wait for the timeout)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        assert seen.wait(timeout), "the training never reached step 2:\n" + "".join(lines[-30:])
+        in_time = decided.wait(timeout)
+        assert reached.is_set(), (
+            f"the training never printed {' '.join(after.split())!r} "
+            + ("(the run ended first)" if in_time else f"in {timeout} s")
+            + ":\n"
+            + "".join(lines[-30:])
+        )
         os.kill(process.pid, signum)
         process.wait(timeout)
     except (AssertionError, subprocess.TimeoutExpired):
@@ -538,11 +585,15 @@ def signalled_torchrun(script, args, *, signum, shutdown_timeout, after="step   
     return Run(command, process.returncode, "".join(lines), None)
 
 
-@pytest.fixture(scope="module")
-def signalled(lesson, tmp_path_factory):
-    """signalled(name) -> (Run, folder). The first call starts every SIGNAL_RUNS run at once: they spend most of
-    their time in their slowed steps and saves (sleeps), so side by side they take about as long as one."""
-    tmp, done = tmp_path_factory.mktemp("lesson08-signals"), {}
+@pytest.fixture(scope="module", autouse=True)
+def signal_runs(request, lesson, tmp_path_factory):
+    """When this module's tests that will run read them, every SIGNAL_RUNS run starts in the background as the
+    module begins: they spend most of their time in slowed steps and saves (sleeps), so side by side they take
+    about as long as one. {name: future of (Run, folder)}, or {} if no test reads them."""
+    if not selected_tests_use(request, "signalled"):
+        yield {}
+        return
+    tmp = tmp_path_factory.mktemp("lesson08-signals")
 
     def one(name):
         signum, shutdown_timeout, save_s = SIGNAL_RUNS[name]
@@ -551,20 +602,18 @@ def signalled(lesson, tmp_path_factory):
                 "--log-dir", folder / "runs", "--slow-steps", "1", "--slow-save", save_s]  # fmt: skip
         return signalled_torchrun(lesson("08"), args, signum=signum, shutdown_timeout=shutdown_timeout), folder
 
-    def launch(name):
-        if not done:
-            with ThreadPoolExecutor(len(SIGNAL_RUNS)) as pool:
-                futures = {run: pool.submit(one, run) for run in SIGNAL_RUNS}
-            for run, future in futures.items():
-                try:
-                    done[run] = future.result()
-                except AssertionError as failure:  # that run's tests fail with its message; the others go on
-                    done[run] = failure
-        if isinstance(done[name], AssertionError):
-            raise done[name]
-        return done[name]
+    with in_background({name: functools.partial(one, name) for name in SIGNAL_RUNS}, len(SIGNAL_RUNS)) as futures:
+        yield futures
 
-    return launch
+
+@pytest.fixture
+def signalled(signal_runs):
+    """signalled(name) -> (Run, folder) of that background run; a run that failed fails only its own tests."""
+
+    def result(name):
+        return signal_runs[name].result()  # its AssertionError, if it failed, is raised here
+
+    return result
 
 
 @pytest.mark.skipif(not HAS_SHUTDOWN_TIMEOUT, reason="this torchrun has no shutdown timeout to configure")
