@@ -26,10 +26,13 @@ def pytest_configure(config):
 
 # The longest files and notebooks, longest first (their times in `make test`'s report, two streams on 2 cores).
 # A stream takes a whole file at a time: started last, a long file would leave the other stream idle at the end.
+# xdist hands each stream two files to begin with, in turn (the 1st and 3rd to one stream): test_slurm.py and
+# lesson 08's file, whose requeue test queues a Slurm job too, go to the same stream, so that job does not wait
+# behind the sbatch files' jobs (test_slurm.py submits them all at once).
 LONGEST_FIRST = [
     "tests/test_slurm.py",
-    "tests/test_08_fault_tolerance.py",
     "tests/test_03_zero_fsdp.py",
+    "tests/test_08_fault_tolerance.py",
     "notebooks/01_collectives.ipynb",
     "tests/test_04_tensor_parallel.py",
     "tests/test_06_3d_parallelism.py",
