@@ -80,9 +80,14 @@ def selected_tests_use(request, fixture: str) -> bool:
 
 
 @contextlib.contextmanager
-def in_background(launches: dict, workers: int):
-    """{name: future of launches[name]()}: each launch started on one of `workers` threads; on leaving, every
-    launch has ended (each has its own timeout), so no process outlives the module."""
+def in_background(request, fixture: str, launches: dict, workers: int):
+    """{name: future of launches[name]()}: each launch started on one of `workers` threads, if a test of this
+    module that will run uses `fixture` (else {}); on leaving, every launch has ended (each has its own timeout),
+    so no process outlives the module."""
+    if not selected_tests_use(request, fixture):
+        yield {}
+        return
+    request.getfixturevalue("tmp_path_factory").getbasetemp()  # made here: the launches' threads make folders in it
     pool = ThreadPoolExecutor(workers)
     try:
         yield {name: pool.submit(launch) for name, launch in launches.items()}
@@ -95,19 +100,14 @@ def background_runs(request, lesson, tmp_path_factory):
     """When this module's tests that will run read them, the RUNS start in the background as the module begins,
     two at a time: much of their time is waiting (torchrun's restarts, saves), which the tests in this process
     fill. {name: future of (Run, folder)}, or {} if no test reads them."""
-    if not selected_tests_use(request, "run"):
-        yield {}
-        return
-    tmp = tmp_path_factory.mktemp("lesson08")
 
     def one(name):
         nproc, restarts, extra = RUNS[name]
-        folder = tmp / name
-        folder.mkdir()
+        folder = tmp_path_factory.mktemp(f"lesson08-{name}")
         args = [*COMMON, *extra, "--checkpoint-dir", folder / "checkpoints", "--log-dir", folder / "runs"]
         return torchrun(lesson("08"), nproc, args, folder=folder, max_restarts=restarts), folder
 
-    with in_background({name: functools.partial(one, name) for name in RUNS}, workers=2) as futures:
+    with in_background(request, "run", {name: functools.partial(one, name) for name in RUNS}, 2) as futures:
         yield futures
 
 
@@ -590,19 +590,16 @@ def signal_runs(request, lesson, tmp_path_factory):
     """When this module's tests that will run read them, every SIGNAL_RUNS run starts in the background as the
     module begins: they spend most of their time in slowed steps and saves (sleeps), so side by side they take
     about as long as one. {name: future of (Run, folder)}, or {} if no test reads them."""
-    if not selected_tests_use(request, "signalled"):
-        yield {}
-        return
-    tmp = tmp_path_factory.mktemp("lesson08-signals")
 
     def one(name):
         signum, shutdown_timeout, save_s = SIGNAL_RUNS[name]
-        folder = tmp / name
+        folder = tmp_path_factory.mktemp(f"lesson08-signal-{name}")
         args = [*COMMON, *TWO, "--checkpoint-every", "100", "--checkpoint-dir", folder / "checkpoints",
                 "--log-dir", folder / "runs", "--slow-steps", "1", "--slow-save", save_s]  # fmt: skip
         return signalled_torchrun(lesson("08"), args, signum=signum, shutdown_timeout=shutdown_timeout), folder
 
-    with in_background({name: functools.partial(one, name) for name in SIGNAL_RUNS}, len(SIGNAL_RUNS)) as futures:
+    launches = {name: functools.partial(one, name) for name in SIGNAL_RUNS}
+    with in_background(request, "signalled", launches, len(SIGNAL_RUNS)) as futures:
         yield futures
 
 

@@ -22,14 +22,16 @@ def first_todo_done(lesson: str) -> tuple[str, list]:
 
 @pytest.fixture(scope="module")
 def reports():
-    """Every lesson checked in one pytest session (one start of pytest and torch instead of one a lesson)."""
-    return check_lessons({lesson: first_todo_done(lesson)[0] for lesson in lessons()})
+    """{lesson: (report, its TODOs)}: every lesson checked in one pytest session (one start of pytest and torch
+    instead of one a lesson)."""
+    learners = {lesson: first_todo_done(lesson) for lesson in lessons()}
+    checked = check_lessons({lesson: script for lesson, (script, _) in learners.items()})
+    return {lesson: (checked[lesson], todos) for lesson, (_, todos) in learners.items()}
 
 
 @pytest.mark.parametrize("lesson", lessons())
 def test_the_first_todo_done_alone_counts_as_one(lesson, reports):
-    todos = first_todo_done(lesson)[1]
-    statuses, count, output = reports[lesson]
+    (statuses, count, output), todos = reports[lesson]
     assert count == f"1 of {len(todos)} TODOs done", (
         f"lesson {lesson}, TODO 1 completed (the solution's) and the others as generated: make check says "
         f"{count!r}, TODO lines {statuses}. A TODO's tests may only need that TODO and the ones before it.\n"

@@ -276,10 +276,13 @@ def memory_mb() -> dict:
     return totals
 
 
+PYTHON_EXECUTABLE = os.path.realpath(sys.executable)  # as /proc/self/smaps names it
+
+
 def is_code_file(mapped_path: str) -> bool:
     """A shared library or the Python executable (mapped by every Python process), not data."""
     name = Path(mapped_path).name
-    return name.endswith(".so") or ".so." in name or mapped_path == os.path.realpath(sys.executable)
+    return name.endswith(".so") or ".so." in name or mapped_path == PYTHON_EXECUTABLE
 
 
 def release_freed_memory():
