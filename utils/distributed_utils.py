@@ -17,6 +17,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -343,15 +345,44 @@ def load_sharded_model(model, optimizer, checkpoint_dir):
 # --------------------------------------------------------------------------------------------------
 
 
+def _wait_for_idle_threads(limit_s: float = 2.0):
+    """Return once every other thread of this process sleeps (Linux; elsewhere, after a short pause).
+
+    After a gloo collective returns, its worker thread still drops the collective's tensors, and
+    dropping a tensor Python made takes the GIL. A thread that asks for the GIL while Python is
+    shutting down is ended by Python, and that aborts the process ("terminate called without an
+    active exception"). Sleeping here hands the GIL over; a busy machine may not run that thread
+    at once, so wait until no thread but this one is running or ready to run."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        time.sleep(0.1)
+        return
+    me, deadline, quiet = str(threading.get_native_id()), time.monotonic() + limit_s, 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)  # releases the GIL to a thread that waits for it
+        busy = False
+        for task in tasks.iterdir():
+            try:
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue  # the thread ended while we looked
+            busy |= task.name != me and state == "R"
+        quiet = 0 if busy else quiet + 1
+
+
 def destroy_process_group():
     """Leave the process group cleanly.
 
     The barrier first: with gloo, a rank that tears down while another is still using the group
-    crashes at random ("terminate called without an active exception").
+    crashes at random ("terminate called without an active exception"). Then wait for gloo's own
+    threads to finish with the last collective (see _wait_for_idle_threads).
     """
     if dist.is_initialized():
         if os.environ.get("COURSE_CHECK_DEVICE") == "1":
             print(f"[rank {dist.get_rank()}] device check: {collective_calls_checked} collective calls", flush=True)
+        gloo = dist.get_backend() == "gloo"
         dist.barrier()
         dist.destroy_process_group()
+        if gloo:
+            _wait_for_idle_threads()
     _root_cache.cache_clear()
