@@ -8,6 +8,8 @@ iterable strategy always drops the last incomplete round.
 
 import json
 import math
+import mmap
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, WeightedRandomSampler
 
 from tests.launch import ROOT, torchrun
-from utils.sharding import DatasetShardSampler, ShardedBatchSampler, StridedIterable
+from utils.sharding import DatasetShardSampler, ShardedBatchSampler, StridedIterable, memory_mb
 
 
 def check_epoch(per_rank: list[list[int]], n: int, round_size: int, drop_last: bool):
@@ -137,6 +139,25 @@ def test_dispatching_every_sample_once(world_size, tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="PSS is measured from Linux's /proc/self/smaps")
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_memory_mb_counts_a_mapped_data_file_but_not_a_mapped_library(tmp_path):
+    """The notebook's memory figures leave out program and library files: every Python process maps torch's code,
+    so a process's share of it changes whenever another starts or stops. The same pages, mapped from a file named
+    like a library, must not count; mapped from a data file, they must."""
+    megabytes = 8
+    for name, counted in (("tokens.bin", True), ("libtokens.so", False)):
+        path = tmp_path / name
+        path.write_bytes(os.urandom(megabytes * 2**20))
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            before = memory_mb()
+            sum(mapped[i] for i in range(0, len(mapped), mmap.PAGESIZE))  # touch every page
+            grown = {key: memory_mb()[key] - before[key] for key in before}
+        if counted:
+            assert grown["rss"] > 0.9 * megabytes, f"a mapped data file's pages should count: {grown}"
+        else:
+            assert abs(grown["rss"]) < 1 and abs(grown["pss"]) < 1, f"a library's pages should not count: {grown}"
+
+
 def test_memory_mapped_tokens_are_shared_between_ranks(tmp_path):
     """2 ranks: a copy per process costs each rank the whole file; a memory map costs each about half of it."""
     out = tmp_path / "memory.json"

@@ -345,7 +345,7 @@ def load_sharded_model(model, optimizer, checkpoint_dir):
 # --------------------------------------------------------------------------------------------------
 
 
-def _wait_for_idle_threads(limit_s: float = 2.0):
+def wait_for_idle_threads(limit_s: float = 2.0):
     """Return once every other thread of this process sleeps (Linux; elsewhere, after a short pause).
 
     After a gloo collective returns, its worker thread still drops the collective's tensors, and
@@ -375,7 +375,7 @@ def destroy_process_group():
 
     The barrier first: with gloo, a rank that tears down while another is still using the group
     crashes at random ("terminate called without an active exception"). Then wait for gloo's own
-    threads to finish with the last collective (see _wait_for_idle_threads).
+    threads to finish with the last collective (see wait_for_idle_threads).
     """
     if dist.is_initialized():
         if os.environ.get("COURSE_CHECK_DEVICE") == "1":
@@ -384,5 +384,5 @@ def destroy_process_group():
         dist.barrier()
         dist.destroy_process_group()
         if gloo:
-            _wait_for_idle_threads()
+            wait_for_idle_threads()
     _root_cache.cache_clear()

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from utils.distributed_utils import wait_for_idle_threads  # noqa: E402
 from utils.lab import wait_for_everyone  # noqa: E402
 from utils.lessons import load_script  # noqa: E402
 
@@ -239,6 +240,7 @@ def main():
         args.metrics_out.write_text(json.dumps({**record, "ranks": everyone}))
     dist.barrier()  # gloo: every rank gets here before any tears down
     dist.destroy_process_group()
+    wait_for_idle_threads()  # gloo's threads let go of the last collective before Python exits
 
 
 # --------------------------------------------------------------------------------------------------

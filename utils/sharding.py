@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from utils.data import map_tokens, write_token_file
+from utils.distributed_utils import wait_for_idle_threads
 from utils.measured import loaded_and_warned, wait_until_quiet
 
 
@@ -286,8 +287,9 @@ def is_code_file(mapped_path: str) -> bool:
 
 
 def release_freed_memory():
-    """Collect garbage, then hand the heap's freed pages back to the OS (glibc keeps them for reuse otherwise, and
-    may return them in the middle of the next measurement): a "before" reading counts only what is still held."""
+    """Collect garbage, then hand the heap's freed pages back to the OS: glibc keeps them for reuse otherwise, so a
+    reading would count memory already freed (more of it in a process that once freed a large block, as rank 0 does
+    after writing the token file) or lose some in the middle of a measurement. Called before every reading."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -351,6 +353,7 @@ def memory_benchmark(megabytes: int) -> list[dict]:
         tokens = load(path)
         int(tokens[::4096].sum())  # touch one byte of every page: the whole file is resident
         dist.barrier()
+        release_freed_memory()
         after = memory_mb()
         dist.barrier()
         del tokens
@@ -406,6 +409,7 @@ def benchmark(megabytes: int, batch_size: int, seq_len: int, batches: int) -> li
             next(data)
         end = time.perf_counter()
         dist.barrier()  # every rank holds its data now: the shared pages are counted 1/N in each
+        release_freed_memory()
         held = memory_mb()["pss"] - before
         dist.barrier()
         del data
@@ -534,6 +538,7 @@ def main():
         args.metrics_out.write_text(json.dumps(record, indent=2) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+    wait_for_idle_threads()  # gloo's threads let go of the last collective before Python exits
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script by torchrun: `import utils` from the course folder
     sys.path.insert(0, str(ROOT))
 
+from utils.distributed_utils import wait_for_idle_threads  # noqa: E402
 from utils.lab import LAB_TIMEOUT_S, describe_error, first_cause  # noqa: E402
 from utils.lessons import load_script  # noqa: E402
 
@@ -192,6 +193,7 @@ def main():
     while store.add("zero_lab/done", 0) < world_size and time.monotonic() < deadline:
         time.sleep(0.05)
     dist.destroy_process_group()
+    wait_for_idle_threads()  # gloo's threads let go of the last collective before Python exits
 
 
 if __name__ == "__main__":

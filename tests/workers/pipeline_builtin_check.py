@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from utils.distributed_utils import wait_for_idle_threads  # noqa: E402
 from utils.model import ModelConfig, build_model, loss_fn  # noqa: E402
 
 CONFIG = ModelConfig(seq_len=16, dim=32, n_layers=2, n_heads=2)
@@ -73,6 +74,7 @@ def main(path: str) -> int:
             problems = [problem for schedule in script.SCHEDULES if (problem := check(script, schedule))]
         finally:
             dist.destroy_process_group()
+            wait_for_idle_threads()  # gloo's threads let go of the last collective before Python exits
     for problem in problems[:1]:
         print(f"TODO 7: {problem}", flush=True)
     if not problems:

@@ -19,6 +19,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the labs run on gloo, even on a GPU n
 
 import torch.distributed as dist  # noqa: E402
 
+from utils.distributed_utils import wait_for_idle_threads  # noqa: E402
 from utils.lab import LAB_TIMEOUT_S, wait_for_everyone  # noqa: E402
 from utils.lessons import load_script  # noqa: E402
 from utils.tp_lab import run_case  # noqa: E402
@@ -40,6 +41,7 @@ def main():
     store.set(f"tp_lab/outcome/{rank}", json.dumps(run_case(lesson, reference)))
     wait_for_everyone(store, "tp_lab/done", world_size)  # every rank here before any tears its group down
     dist.destroy_process_group()
+    wait_for_idle_threads()  # gloo's threads let go of the last collective before Python exits
     if rank == 0:
         outcomes = [json.loads(store.get(f"tp_lab/outcome/{r}")) for r in range(world_size)]
         Path(out_path).write_text(json.dumps(outcomes))
