@@ -7,6 +7,7 @@
 #   make test-gpu            instructors on a GPU node: every lesson with NCCL on the GPUs, against the CPU
 #   make test-floor          every lesson at 2 ranks under the oldest supported torch (.venv-floor), against .venv
 #   make exercises           regenerate exercises/ from solutions/ (maintainers)
+#   make outputs LESSON=02   re-execute a notebook in place, quiet before each timing (maintainers)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -35,7 +36,7 @@ define install_torch
 	else $(1) install --quiet "torch==$(2)"; fi
 endef
 
-.PHONY: setup lab test lint check notebooks mutants test-gpu test-floor exercises clean
+.PHONY: setup lab test lint check notebooks outputs mutants test-gpu test-floor exercises clean
 
 $(VENV)/.installed: requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -69,6 +70,11 @@ test: lint
 notebooks: setup
 	CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest --nbval \
 		$(if $(filter command line,$(origin LESSON)),notebooks/$(LESSON)_*.ipynb,notebooks/)
+
+# Maintainers: a notebook's committed outputs, made again (utils/refresh_notebook.py); then `make notebooks`.
+outputs: setup
+	$(if $(filter command line,$(origin LESSON)),,$(error name the notebook: make outputs LESSON=02))
+	$(BIN)/python -m utils.refresh_notebook notebooks/$(LESSON)_*.ipynb
 
 check: setup
 	@# pytest's own report is silenced; tests/todo_report.py prints one line per TODO and a count. The tests that
