@@ -72,8 +72,12 @@ notebooks: setup
 		$(if $(filter command line,$(origin LESSON)),notebooks/$(LESSON)_*.ipynb,notebooks/)
 
 # Maintainers: a notebook's committed outputs, made again (utils/refresh_notebook.py); then `make notebooks`.
+ifneq ($(filter outputs,$(MAKECMDGOALS)),)
+ifneq ($(origin LESSON),command line)
+$(error name the notebook: make outputs LESSON=02)
+endif
+endif
 outputs: setup
-	$(if $(filter command line,$(origin LESSON)),,$(error name the notebook: make outputs LESSON=02))
 	$(BIN)/python -m utils.refresh_notebook notebooks/$(LESSON)_*.ipynb
 
 check: setup

@@ -346,7 +346,8 @@ def load_sharded_model(model, optimizer, checkpoint_dir):
 
 
 def wait_for_idle_threads(limit_s: float = 2.0):
-    """Return once every other thread of this process sleeps (Linux; elsewhere, after a short pause).
+    """Return once every other thread of this process sleeps, or after limit_s (Linux; elsewhere, after a short
+    pause). A thread that never sleeps costs limit_s, never a hang.
 
     After a gloo collective returns, its worker thread still drops the collective's tensors, and
     dropping a tensor Python made takes the GIL. A thread that asks for the GIL while Python is
@@ -375,14 +376,13 @@ def destroy_process_group():
 
     The barrier first: with gloo, a rank that tears down while another is still using the group
     crashes at random ("terminate called without an active exception"). Then wait for gloo's own
-    threads to finish with the last collective (see wait_for_idle_threads).
+    threads to finish with the last collective (see wait_for_idle_threads); on every backend, as a
+    GPU job may have gloo groups too (lesson 08's checkpoint group).
     """
     if dist.is_initialized():
         if os.environ.get("COURSE_CHECK_DEVICE") == "1":
             print(f"[rank {dist.get_rank()}] device check: {collective_calls_checked} collective calls", flush=True)
-        gloo = dist.get_backend() == "gloo"
         dist.barrier()
         dist.destroy_process_group()
-        if gloo:
-            wait_for_idle_threads()
+        wait_for_idle_threads()
     _root_cache.cache_clear()

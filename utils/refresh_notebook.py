@@ -2,11 +2,13 @@
 
     python -m utils.refresh_notebook notebooks/02_data_parallel.ipynb [more notebooks]
 
-Each notebook runs top to bottom in a fresh kernel from its own folder, on the CPU with one thread per rank, as
-`make notebooks` checks it. One difference from running every cell at once: before a cell that reads the load
-average (a cell that times something and says under what load), wait until the machine is quiet. Otherwise the
-notebook's own earlier cells are still in the 1-minute average, and the timing is marked LOADED although no
-other job ran; a learner who reads between cells gets the quiet machine this gives.
+Each notebook runs top to bottom in a fresh kernel started in its own folder, on the CPU (gloo), one thread per
+process (torch's own threads would otherwise compete with the ranks for the cores). One difference from running
+every cell at once: before a cell tagged `quiet-before` (one that reads the load average, then starts the runs it
+times), wait until the machine is quiet. Otherwise the notebook's own earlier cells are still in the 1-minute
+average, and the timing is marked LOADED although no other job ran; a learner who reads between cells gets the
+quiet machine this gives. Only the tagged cells wait: a cell that reads the load after earlier cells' runs must
+see the load those runs had.
 """
 
 import os
@@ -19,12 +21,12 @@ from nbclient import NotebookClient
 
 from utils.measured import QUIET, load_average, wait_until_quiet
 
-READS_THE_LOAD = ("load_average(", "os.getloadavg(")
+TAG = "quiet-before"  # in a cell's metadata: wait for a quiet machine before running it
 
 
 class QuietBeforeTimings(NotebookClient):
     async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
-        if cell.cell_type == "code" and any(call in cell.source for call in READS_THE_LOAD):
+        if cell.cell_type == "code" and TAG in cell.metadata.get("tags", []):
             start = time.monotonic()
             load = wait_until_quiet()
             quiet = "" if load < QUIET / 2 else f" (still {load_average()}: not quiet, the cell will say so)"
