@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, WeightedRandomSampler
 
 from tests.launch import ROOT, torchrun
-from utils.sharding import DatasetShardSampler, ShardedBatchSampler, StridedIterable, memory_mb, release_freed_memory
+from utils.sharding import DatasetShardSampler, ShardedBatchSampler, StridedIterable, memory_mb
 
 
 def check_epoch(per_rank: list[list[int]], n: int, round_size: int, drop_last: bool):
@@ -148,10 +148,8 @@ def test_memory_mb_counts_a_mapped_data_file_but_not_a_mapped_library(tmp_path):
         path = tmp_path / name
         path.write_bytes(os.urandom(megabytes * 2**20))
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            release_freed_memory()  # as the benchmark does before each reading: freed heap is not data
             before = memory_mb()
             sum(mapped[i] for i in range(0, len(mapped), mmap.PAGESIZE))  # touch every page
-            release_freed_memory()
             after = memory_mb()
             grown = {key: after[key] - before[key] for key in before}
         if counted:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from utils.distributed_utils import wait_for_idle_threads  # noqa: E402
+from utils.distributed_utils import destroy_process_group  # noqa: E402
 from utils.lab import wait_for_everyone  # noqa: E402
 from utils.lessons import load_script  # noqa: E402
 
@@ -238,9 +238,7 @@ def main():
     if rank == 0:
         record = {"stages": world_size, "microbatches": MICROBATCHES, "max_in_flight": MAX_IN_FLIGHT}
         args.metrics_out.write_text(json.dumps({**record, "ranks": everyone}))
-    dist.barrier()  # gloo: every rank gets here before any tears down
-    dist.destroy_process_group()
-    wait_for_idle_threads()  # gloo's threads let go of the last collective before Python exits
+    destroy_process_group()  # the course's: a barrier first, then gloo's threads let go before Python exits
 
 
 # --------------------------------------------------------------------------------------------------

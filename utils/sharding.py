@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from utils.data import map_tokens, write_token_file
-from utils.distributed_utils import wait_for_idle_threads
+from utils.distributed_utils import destroy_process_group
 from utils.measured import loaded_and_warned, wait_until_quiet
 
 
@@ -262,7 +262,9 @@ def memory_mb() -> dict:
 
     Program and library files (Python's and torch's code) are left out: every Python process on the machine maps
     them, so this process's share of them changes whenever another process starts or stops, whatever it holds.
+    Freed memory is handed back first (release_freed_memory), so it is not counted.
     """
+    release_freed_memory()
     smaps = Path("/proc/self/smaps")
     if not smaps.exists():
         return {"rss": rss_mb(), "pss": rss_mb()}
@@ -289,7 +291,7 @@ def is_code_file(mapped_path: str) -> bool:
 def release_freed_memory():
     """Collect garbage, then hand the heap's freed pages back to the OS: glibc keeps them for reuse otherwise, so a
     reading would count memory already freed (more of it in a process that once freed a large block, as rank 0 does
-    after writing the token file) or lose some in the middle of a measurement. Called before every reading."""
+    after writing the token file) or lose some in the middle of a measurement. memory_mb() calls it."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -347,13 +349,11 @@ def memory_benchmark(megabytes: int) -> list[dict]:
         write_token_file(path, random_tokens(megabytes))
     rows = []
     for how, load in [("a copy per process", load_copy), ("memory-mapped", map_tokens)]:
-        release_freed_memory()
         dist.barrier()
         before = memory_mb()
         tokens = load(path)
         int(tokens[::4096].sum())  # touch one byte of every page: the whole file is resident
         dist.barrier()
-        release_freed_memory()
         after = memory_mb()
         dist.barrier()
         del tokens
@@ -398,7 +398,6 @@ def benchmark(megabytes: int, batch_size: int, seq_len: int, batches: int) -> li
 
     rows = []
     for strategy in ["1 dataset sharding", "2 iterable sharding", "3 batch-sampler sharding", "4 dispatching"]:
-        release_freed_memory()
         dist.barrier()
         before = memory_mb()["pss"]
         start = time.perf_counter()
@@ -409,7 +408,6 @@ def benchmark(megabytes: int, batch_size: int, seq_len: int, batches: int) -> li
             next(data)
         end = time.perf_counter()
         dist.barrier()  # every rank holds its data now: the shared pages are counted 1/N in each
-        release_freed_memory()
         held = memory_mb()["pss"] - before
         dist.barrier()
         del data
@@ -536,9 +534,7 @@ def main():
     if args.metrics_out and dist.get_rank() == 0:
         record = {"world_size": world_size, "megabytes": args.megabytes, "rows": rows}
         args.metrics_out.write_text(json.dumps(record, indent=2) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
-    wait_for_idle_threads()  # gloo's threads let go of the last collective before Python exits
+    destroy_process_group()  # the course's: a barrier first, then gloo's threads let go before Python exits
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the labs run on gloo, even on a GPU n
 
 import torch.distributed as dist  # noqa: E402
 
-from utils.distributed_utils import wait_for_idle_threads  # noqa: E402
+from utils.distributed_utils import destroy_process_group  # noqa: E402
 from utils.lab import LAB_TIMEOUT_S, WITHOUT_DETAIL, run_case, wait_for_everyone  # noqa: E402
 
 
@@ -61,9 +61,7 @@ def main():
     dist.all_gather_object(everyone, outcomes)
     if rank == 0:
         Path(out_path).write_text(json.dumps({name: [mine[name] for mine in everyone] for name in cases}))
-    dist.barrier()  # gloo: every rank gets here before any tears down
-    dist.destroy_process_group()
-    wait_for_idle_threads()  # gloo's threads let go of the last collective before Python exits
+    destroy_process_group()  # the course's: a barrier first, then gloo's threads let go before Python exits
 
 
 if __name__ == "__main__":
