@@ -1,52 +1,104 @@
-"""The layout planner: which (dp, tp, pp, cp, ep, micro-batch, ZeRO stage, recomputation) to run a model with.
+"""The layout planner: which (dp, tp, pp, cp, ep, micro-batch, ZeRO stage, recomputation, virtual stages) to run a
+model with, on which GPUs.
 
     python -m utils.planner --params 70e9 --layers 80 --hidden 8192 --heads 64 --vocab 128256 --seq-len 4096 \\
-        --global-batch 1024 --gpus 64 --gpus-per-node 8 --gpu-memory 80GB --top 10
+        --global-batch 1024 --gpus 64 --gpu H100 --top 10
     python -m utils.planner ... --seq-len 131072 --cp 1,2,4,8          # long sequences: context parallelism
     python -m utils.planner ... --experts 8 --top-k 2 --ep 1,2,4,8     # mixture of experts: expert parallelism
 
     from utils.planner import Model, Cluster, Layout, predict, plan
 
 It enumerates every layout that divides the work, predicts each one's memory per GPU and step time with the
-formulas below, refuses those that cannot run (with the reason) and ranks the rest by predicted tokens/s.
+physics below, refuses those that cannot run (with the reason) and ranks the rest by predicted tokens/s. When none
+runs, it names the reasons that refused the most layouts and a change that would admit one, and exits with 1.
 
-Memory per GPU (the first pipeline stage, which holds the most):
-- model state: utils/memory.py's ZeRO rule for the params / (tp x pp) parameters this GPU's stage shard holds;
-- activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
-  (arXiv:2205.05198), Table 2 per layer, times the layers of one stage, times the micro-batches in flight.
-Step time: compute at an assumed MFU, Megatron's tensor-parallel all-reduces, pipeline sends and bubble, and
-the data-parallel gradient traffic, each collective timed with lesson 01's alpha-beta ring model.
+The physics (s sequence, b micro-batch, h width, a heads, L layers, V vocabulary, N parameters, t = tp, p = pp,
+v virtual stages, m micro-batches per step per replica):
 
-Context parallelism (cp) and expert parallelism (ep), the two dimensions lesson 09 builds, in Megatron-LM's rank
-order tp, cp, dp, pp (innermost first; cp x dp x tp x pp = GPUs):
-- cp splits each sequence over cp ranks (each keeps s/cp tokens: activations / cp); ring attention passes the
-  keys and values around the cp group (Liu et al. 2023, "Ring Attention with Blockwise Transformers",
-  arXiv:2310.01889): per layer and micro-batch each rank receives the K and V chunks of the cp - 1 others,
-  2 x (cp-1)/cp x s x b x h / t values forward, twice that backward (K, V and their gradients). Each ring step
-  overlaps with the attention of the chunk in hand (2 s^2 b h / (cp t) FLOPs forward, causal): only what exceeds
-  it is added. The weights are replicated over cp: gradients (and ZeRO shards) over the dp x cp ranks.
-- ep splits each MoE layer's experts over ep ranks taken inside dp x cp (Megatron-Core's expert grid: ep
-  innermost after tp, ep dividing dp x cp; expert weights also split over tp). Each MoE layer dispatches every
-  token to its top-k experts and combines the results: two all-to-alls forward, each sending tokens x k x h
-  values x (ep-1)/ep per rank, so 2 x tokens x k x h x bytes x (ep-1)/ep per layer forward, the same backward;
-  they sit between the router and the experts: nothing hides them. Expert gradients are averaged over the
-  dp x cp / ep ranks that hold the same experts.
-What it leaves out: embeddings counted as spread evenly over the stages (rank_model_state counts one rank's own
-slice instead, embeddings on the first stage and the head on the last, for the course's model: lesson 06's runs hold
-exactly that), interleaved schedules, memory fragmentation and workspace, the MoE capacity factor and load
-imbalance (tokens spread evenly over the experts),
-grouped-query attention (K/V as wide as Q), the MLP's activations at any other width than 4 x hidden (--ffn-hidden
-sets the experts' parameters and FLOPs, not their activations), communication that overlaps better than stated below.
+Compute. Model FLOPs per token (what MFU counts): 6N + 6 L s h, the second term the attention scores and their
+product with V over the causal half of the s x s matrix (Megatron-LM's papers, PaLM and torchtitan count it whole,
+12 L s h: model_flops_per_token(whole_attention=True)). The FLOPs the GPUs execute (hardware FLOPs) differ:
+- a fused attention kernel (FlashAttention, PyTorch's scaled_dot_product_attention) skips the masked half of a
+  causal score matrix, and its backward recomputes the scores (10 s h a token against the forward's 4 s h);
+  an unfused one (Megatron-LM 2021-22, the course's from-scratch ring attention) computes the whole matrix;
+- recomputation adds the forward FLOPs of what it rebuilds: full, every layer's forward (2 x its parameters + the
+  attention); selective, unfused, the attention core (Korthikanti et al. 2022); selective, fused, the norms and the
+  MLP's activation function, which have no matmul FLOPs (the scores were never stored).
+Time of one micro-batch on a stage = its hardware FLOPs / (peak x the GPU's matmul efficiency) + the bytes its
+memory-bound kernels move / HBM bandwidth (norms, residual adds, the activation function; the scores' softmax when
+unfused) + a fixed cost per kernel (launch and tail). The per-kernel cost and the matmuls' share make small
+micro-batches less efficient; nothing is an assumed MFU.
+
+Memory per GPU, on the stage that needs the most:
+- model state: utils/memory.py's ZeRO rule for the stage's parameters over the dp x cp ranks that hold the same
+  weights (experts: over dp x cp / ep). The first stage also holds the embedding (V h), the last the head (V h);
+  the layers share the rest of N. Everything a GPU holds is split over tp.
+- ZeRO under gradient accumulation, as torch runs it: with pp > 1 torch's pipelining defers the gradient
+  reduce-scatter to the last micro-batch, so full gradients are held across micro-batches, and torchtitan keeps the
+  parameters gathered (reshard_after_forward = not pp): ZeRO-2/3 would hold what ZeRO-1 holds, so the planner
+  refuses them with that reason (DeepSpeed refuses them too); FSDP under a pipeline is ZeRO-1 here. With pp = 1 FSDP2
+  reduce-scatters every micro-batch (ZeRO-2/3) and ZeRO-3 gathers every block twice a micro-batch: m times the
+  traffic of one, each micro-batch's collectives overlapping its own compute.
+- activations, Korthikanti et al. 2022 (arXiv:2205.05198) Table 2 per layer (activation_bytes_per_layer) times the
+  layers a stage holds times the micro-batches in flight on it: p - k on stage k under 1F1B, and with v virtual
+  stages 2(p-k-1) + (v-1)p + 1 chunks of L_k / v layers (Megatron-LM's warm-up; the first stage holds
+  L (1 + (p-1)/(p v)) layers' worth); full recomputation rebuilds one layer's activations during backward.
+- buffers: ZeRO-3's gathered parameters and their unsharded gradients (the block in use and the prefetched one),
+  ZeRO-2's bucket of one layer's gradients.
+- a reserve the planner never fills: RESERVE_FIXED for the CUDA context, NCCL's buffers and workspaces, and
+  RESERVE_FRACTION of the memory for the caching allocator's fragmentation.
+
+Communication, each collective with lesson 01's alpha-beta ring model on the link its group uses (NVLink inside a
+node, the NIC across), ranks ordered tp, cp, dp, pp innermost first (Megatron-LM's order):
+- TP: per layer and micro-batch 2 all-reduces forward and 2 backward (2 more when full recomputation repeats the
+  forward), each of s/cp x b x h 16-bit values; sequence parallelism swaps each for a reduce-scatter and an
+  all-gather of the same volume. Counted as exposed (asynchronous TP, which overlaps them with the matmuls on GPUs,
+  is not modelled).
+- CP (ring attention): per layer and micro-batch cp - 1 ring steps, each sending a K and a V chunk (2 s/cp b h / t
+  values) while the attention of the chunk in hand runs; only the excess shows. Backward sends K, V and their
+  gradients (twice the bytes) against 2.5 times the forward's attention. The per-step compute grows as (s/cp)^2 h,
+  the transfer as (s/cp) h: long chunks hide the ring.
+- EP: per MoE layer and micro-batch, a dispatch and a combine all-to-all forward and backward, each tokens x k x h
+  16-bit values, (ep-1)/ep of them to other ranks; nothing hides them.
+- PP: one send of the boundary activation per micro-batch and chunk boundary, forward and backward; the steady
+  state's sends overlap the next micro-batch's compute, the fill and drain's (2 (p v - 1) of them) do not. The
+  bubble: (p-1) / (v m) of the busiest stage's work.
+- DP: the stage's gradients over the dp x cp ranks that hold the same weights: an all-reduce (ZeRO-0), or a
+  reduce-scatter and an all-gather of the updated parameters (ZeRO-1/2), plus ZeRO-3's parameter all-gathers. The
+  final reduction hides behind the last micro-batch's backward, the parameter all-gather behind the next step's
+  first forward; what exceeds them shows.
+
+What it leaves out: grouped-query attention (K/V as wide as Q), SwiGLU's third matrix (give its parameters in N;
+the activations stay a 4h GELU MLP's), asynchronous TP, the MoE capacity factor and load imbalance (tokens spread
+evenly over the experts), the optimizer step's own time, data loading, stragglers and network contention.
 """
 
 import argparse
 import itertools
 import math
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, replace
 
 from utils.memory import OPTIMIZER_STATE, PRECISIONS, bytes_per_param, human, model_state_bytes
 
 RECOMPUTE = ("none", "selective", "full")
+
+# Memory the planner never fills: the CUDA context, NCCL's buffers and cuBLAS/attention workspaces (a fixed amount),
+# and the caching allocator's fragmentation (a share of the GPU). PyTorch's allocator commonly loses 5-10 % to it.
+RESERVE_FIXED = 3e9
+RESERVE_FRACTION = 0.05
+
+# Memory-bound kernels, in values of h (or of a x s scores) read or written per token and layer in the forward; the
+# backward moves about twice as much. Norms and residual adds: two LayerNorms (read, write: 4) and two residual adds
+# (read 2, write 1: 6). The MLP's activation function reads and writes its ffn-wide input (2 ffn / h). An unfused
+# attention's softmax reads and writes the scores, with the scale and the mask fused into it (Megatron-LM's fused
+# kernel), and its dropout reads, writes and keeps a mask: 4 passes over the a x s scores of a token.
+NORM_RESIDUAL_VALUES = 10
+SCORE_PASSES = 4
+# Kernels per layer and micro-batch in forward and backward together (about 12 forward, twice that backward) and the
+# fixed time each costs beyond its work (launch, the tail of a partly filled wave): a few microseconds on a GPU.
+KERNELS_PER_LAYER = 36
+KERNEL_OVERHEAD_S = 4e-6
 
 
 @dataclass(frozen=True)
@@ -74,21 +126,79 @@ class Model:
         """The parameters one token goes through: the dense ones and top_k of each layer's experts."""
         return self.params - self.expert_params * (1 - self.top_k / self.experts)
 
+    @property
+    def embedding_params(self) -> float:
+        """The token embedding's (and, on the last stage, the head's) parameters: V x h."""
+        return self.vocab * self.hidden
+
+    @property
+    def layer_params(self) -> float:
+        """One block's parameters (experts included): what the embedding and the head leave of N, shared evenly."""
+        return max(0.0, self.params - 2 * self.embedding_params) / self.layers
+
+
+# GPU presets: dense bf16 peak, HBM bandwidth, NVLink bandwidth per GPU each way, NIC bandwidth per GPU each way,
+# from NVIDIA's A100 datasheet (2021), H100 datasheet (2023) and H200 product brief (2024); the H800 is the H100 with
+# NVLink cut to 400 GB/s in all (DeepSeek-V3 report, arXiv:2412.19437, section 3.1). Latencies: the order NCCL shows
+# per ring step.
+# MATMUL_EFFICIENCY, the share of peak the matmuls reach inside a real training loop, is the planner's one fitted
+# number: fitted once, to Narayanan et al. 2021's 1.7B run (Table 1: 137 TFLOP/s per A100 with tp = pp = 1, the run
+# with the least communication, so the least else to blame), and used for every GPU and every other published run,
+# which it then predicts (utils/published_runs.py). cuBLAS alone reaches more on large shapes (about 80 % of an A100's
+# peak); the difference is what the planner does not model: the optimizer step, data loading, launch gaps, clocks
+# under power limits.
+MATMUL_EFFICIENCY = 0.56
+HARDWARE = {
+    "A100": dict(
+        name="A100 SXM 80GB", memory=80e9, peak_flops=312e12, hbm_bandwidth=2.0e12, intra_bandwidth=300e9,
+        inter_bandwidth=25e9, matmul_efficiency=MATMUL_EFFICIENCY,
+    ),  # NVLink 3: 600 GB/s in all; one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100, Selene)
+    "H100": dict(
+        name="H100 SXM 80GB", memory=80e9, peak_flops=989e12, hbm_bandwidth=3.35e12, intra_bandwidth=450e9,
+        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY,
+    ),  # NVLink 4: 900 GB/s in all; one 400 Gb/s NDR InfiniBand (or RoCE) NIC per GPU
+    "H200": dict(
+        name="H200 SXM 141GB", memory=141e9, peak_flops=989e12, hbm_bandwidth=4.8e12, intra_bandwidth=450e9,
+        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY,
+    ),  # the H100's compute and links, more and faster memory
+    "H800": dict(
+        name="H800 SXM 80GB", memory=80e9, peak_flops=989e12, hbm_bandwidth=3.35e12, intra_bandwidth=200e9,
+        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY,
+    ),  # NVLink 400 GB/s in all; 400 Gb/s InfiniBand per GPU
+}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Cluster:
-    """Defaults: one H100 SXM node (80 GB, 989 TFLOP/s dense bf16, NVLink 4 at 450 GB/s each way, one 400 Gb/s
-    InfiniBand NIC per GPU = 50 GB/s). The latencies are assumptions of the order NCCL shows per ring step."""
+    """GPUs, nodes and links. The defaults describe H100 SXM nodes (HARDWARE["H100"]); Cluster.of("A100", gpus) takes
+    another preset."""
 
     gpus: int
     gpus_per_node: int = 8
     memory: float = 80e9  # bytes per GPU
-    peak_flops: float = 989e12  # FLOP/s per GPU
-    intra_bandwidth: float = 450e9  # bytes/s per GPU inside a node
-    inter_bandwidth: float = 50e9  # bytes/s per GPU between nodes
+    peak_flops: float = 989e12  # dense bf16 FLOP/s per GPU
+    intra_bandwidth: float = 450e9  # bytes/s per GPU inside a node, each way
+    inter_bandwidth: float = 50e9  # bytes/s per GPU between nodes, each way
     intra_latency: float = 5e-6  # seconds per message inside a node
     inter_latency: float = 10e-6  # seconds per message between nodes
-    mfu: float = 0.5  # assumed fraction of peak that compute reaches while it runs
+    matmul_efficiency: float = MATMUL_EFFICIENCY  # share of peak the matmuls reach in a training loop
+    hbm_bandwidth: float = 3.35e12  # bytes/s of the GPU's own memory
+    name: str = "H100 SXM 80GB"
+
+    @classmethod
+    def of(cls, gpu: str, gpus: int, gpus_per_node: int = 8, **overrides) -> "Cluster":
+        if gpu not in HARDWARE:
+            raise ValueError(f"unknown GPU {gpu!r}: one of {', '.join(HARDWARE)}")
+        return cls(gpus, gpus_per_node, **{**HARDWARE[gpu], **overrides})
+
+    @property
+    def usable_memory(self) -> float:
+        """What a layout may fill: the memory less the reserve (RESERVE_FIXED, RESERVE_FRACTION)."""
+        return self.memory * (1 - RESERVE_FRACTION) - RESERVE_FIXED
+
+    @property
+    def matmul_flops(self) -> float:
+        return self.peak_flops * self.matmul_efficiency
 
     def link(self, inside_node: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the link a group uses: the slow one as soon as it leaves a node."""
@@ -109,6 +219,8 @@ class Layout:
     sequence_parallel: bool = True  # Megatron sequence parallelism inside the TP group (no effect at tp=1)
     cp: int = 1  # context parallelism: ranks that split each sequence
     ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts, inside dp x cp
+    virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank (1: plain 1F1B)
+    fused_attention: bool = True  # a fused attention kernel (no stored scores); False: the s x s scores are kept
 
     @property
     def gpus(self) -> int:
@@ -116,6 +228,7 @@ class Layout:
 
     def __str__(self):
         extra = "".join(f" {name}={size}" for name, size in (("cp", self.cp), ("ep", self.ep)) if size > 1)
+        extra += f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} mb={self.micro_batch} m={self.microbatches} "
             f"zero={self.zero} recompute={self.recompute}"
@@ -126,23 +239,30 @@ class Layout:
 class Prediction:
     layout: Layout
     reason: str | None = None  # why the layout cannot run; None when it can
-    model_state: dict = field(default_factory=dict)  # bytes of params, grads, optimizer on one GPU
-    activations: float = 0.0  # bytes of activations on the first pipeline stage at its peak
-    compute_s: float = 0.0  # matmuls of one step on one GPU, recomputation included
-    tp_s: float = 0.0  # tensor-parallel all-reduces (not overlapped)
-    cp_s: float = 0.0  # the ring's K/V traffic that the attention compute does not hide
+    model_state: dict = field(default_factory=dict)  # bytes of params, grads, optimizer on the stage that needs most
+    activations: float = 0.0  # bytes of activations on that stage at its peak
+    buffers: float = 0.0  # gathered parameters and gradient buckets (ZeRO-2/3) on that stage
+    stage: int = 0  # the stage whose memory is reported (the one that needs the most)
+    stage_layers: tuple = ()  # layers per pipeline stage
+    compute_s: float = 0.0  # the busiest stage's kernels over the step: matmuls, memory-bound kernels, launches
+    tp_s: float = 0.0  # tensor-parallel collectives (not overlapped)
+    cp_s: float = 0.0  # the ring's K/V traffic that the attention does not hide
     ep_s: float = 0.0  # MoE all-to-alls (not overlapped)
-    pp_s: float = 0.0  # pipeline sends between stages (not overlapped)
+    pp_s: float = 0.0  # pipeline sends of the fill and drain (the steady state's overlap)
     bubble_s: float = 0.0  # pipeline fill and drain: idle time
-    dp_s: float = 0.0  # data-parallel gradient (and ZeRO-3 parameter) traffic
-    dp_exposed_s: float = 0.0  # the part of dp_s that the last backward does not hide
+    dp_s: float = 0.0  # data-parallel gradient (and ZeRO parameter) traffic
+    dp_exposed_s: float = 0.0  # the part of dp_s that compute does not hide
     step_s: float = 0.0
     tokens_per_s: float = 0.0
-    mfu: float = 0.0  # what the predicted step achieves: 6 N tokens/s / (GPUs x peak)
+    model_flops: float = 0.0  # one step, the whole job: (6N + 6 L s h) per token (model_flops_per_token)
+    hardware_flops: float = 0.0  # one step, the whole job: what the GPUs execute (recomputation included)
+    mfu: float = 0.0  # model FLOPs per second / (GPUs x peak)
+    hfu: float = 0.0  # hardware FLOPs per second / (GPUs x peak)
+    tflops_per_gpu: float = 0.0  # hardware TFLOP/s per GPU, as Narayanan et al. 2021 report it
 
     @property
     def memory(self) -> float:
-        return sum(self.model_state.values()) + self.activations
+        return sum(self.model_state.values()) + self.activations + self.buffers
 
     @property
     def fits(self) -> bool:
@@ -165,10 +285,12 @@ def activation_bytes_per_layer(
     value_bytes: int = 2,
     dropout: bool = True,
     top_k: int = 1,
+    fused_attention: bool = False,
 ) -> float:
     """Bytes one transformer layer keeps for backward, 16-bit activations and 1-byte dropout masks.
 
-    Korthikanti et al. 2022, Table 2 (s sequence, b micro-batch, h width, a heads, t tensor-parallel size):
+    Korthikanti et al. 2022, Table 2 (s sequence, b micro-batch, h width, a heads, t tensor-parallel size), the
+    scores kept (unfused attention, fused_attention=False):
       no parallelism                      sbh (34 + 5as/h)
       tensor parallel                     sbh (10 + 24/t + 5as/(ht))
       tensor + sequence parallel          sbh (34/t + 5as/(ht))
@@ -176,13 +298,18 @@ def activation_bytes_per_layer(
       full recomputation                  2sbh: only the layer's input (split over t by sequence parallelism)
     The 10 are the layer norms' and dropouts' tensors, which tensor parallelism alone leaves whole on every rank.
     Section 4.1's sum behind them, in values of s x b x h: 4 that TP leaves whole (the two norms' inputs, the
-    inputs of QKV and of the MLP), 12 that it splits (Q, K, V, the attention output, the MLP's up output and its
-    GELU output), and two 1-byte dropout masks; the scores are a x s x s x b values (the softmax output, and with
-    dropout its mask and output). value_bytes and dropout restate them for another model: 4 for fp32 (the course's
-    CPU runs), dropout=False for the course model (it has none). A fused attention kernel (FlashAttention, and
-    PyTorch's scaled_dot_product_attention on CPU) keeps no scores either: recompute="selective" is its memory.
-    A MoE layer runs each token through top_k experts: the MLP's input (dispatched) and its up and GELU outputs
-    count top_k times (1 of the 4 whole values, 8 of the 12 split ones).
+    inputs of QKV and of the MLP, which are the norms' outputs), 12 that it splits (Q, K, V, the attention output,
+    the MLP's up output and its GELU output), and two 1-byte dropout masks; the scores are a x s x s x b values
+    (the softmax output, and with dropout its mask and output).
+
+    A fused attention kernel (FlashAttention, PyTorch's scaled_dot_product_attention) keeps no scores at all
+    (its fp32 log-sum-exp, a x s x b values, is in omitted_activation_bytes): "none" is the table without the
+    score term, and "selective" recomputes what is cheap to rebuild instead, the two norms and the MLP's activation
+    function (Megatron-Core's --recompute-modules layernorm, torchtitan's op-level policy): it keeps 2 whole values
+    (the norms' inputs) and 8 split ones (Q, K, V, the attention output, the up projection's output).
+    value_bytes and dropout restate them for another model: 4 for fp32 (the course's CPU runs), dropout=False for
+    the course model (it has none). A MoE layer runs each token through top_k experts: the MLP's input
+    (dispatched) and its up and GELU outputs count top_k times (1 of the 4 whole values, 8 of the 12 split ones).
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
@@ -191,31 +318,57 @@ def activation_bytes_per_layer(
     if recompute == "full":
         return value_bytes * sbh / split_by_sp
     masks = 2 if dropout else 0
-    scores = 0 if recompute == "selective" else a * s * s * b * (value_bytes * (1 + dropout) + dropout) / t
+    if fused_attention and recompute == "selective":  # norms' outputs and the activation function's recomputed
+        whole, split = 2, 4 + 4 * top_k
+        return sbh * ((whole * value_bytes + masks) / split_by_sp + split * value_bytes / t)
+    kept_scores = not fused_attention and recompute == "none"
+    scores = a * s * s * b * (value_bytes * (1 + dropout) + dropout) / t if kept_scores else 0
     whole, split = 3 + top_k, 4 + 8 * top_k
     return sbh * ((whole * value_bytes + masks) / split_by_sp + split * value_bytes / t) + scores
 
 
 def layers_of_stage(layers: int, pp: int, stage: int) -> int:
-    """Blocks of pipeline stage `stage`: the first layers % pp stages get one more (lesson 05's partition)."""
+    """Blocks of pipeline stage `stage` in the course's own cut: the first layers % pp stages get one more (lesson
+    05's partition). The planner's predictions cut as planned_stage_layers does."""
     return layers // pp + (stage < layers % pp)
 
 
+def planned_stage_layers(layers: int, pp: int) -> tuple[int, ...]:
+    """Layers per stage as large runs cut them: equal where they divide; otherwise every stage takes ceil(L/p) and
+    the stages with the most else to hold give one back, the last (the head and the loss) and the first (the
+    embedding and the most micro-batches in flight) first, then inwards. Llama 3 405B: 126 layers over 16 stages,
+    7 + 14 x 8 + 7."""
+    if pp > layers:
+        raise ValueError(f"{pp} stages for {layers} layers: a stage would be empty")
+    counts = [math.ceil(layers / pp)] * pp
+    order = [i for pair in zip(range(pp - 1, -1, -1), range(pp)) for i in pair]  # last, first, last-1, second...
+    for stage in itertools.islice(itertools.cycle(dict.fromkeys(order)), sum(counts) - layers):
+        counts[stage] -= 1
+    return tuple(counts)
+
+
 def stage_activation_bytes(
-    model: Model, layout: Layout, stage: int = 0, value_bytes: int = 2, dropout: bool = True, vocab_parallel=True
+    model: Model,
+    layout: Layout,
+    stage: int = 0,
+    value_bytes: int = 2,
+    dropout: bool = True,
+    vocab_parallel=True,
+    layers: int | None = None,
 ) -> float:
-    """One micro-batch's activations on pipeline stage `stage`, in bytes: its layers (Table 2) and section 4.3's
-    extras, the embedding's dropout mask (sbh/t, 1 byte) on the first stage and, on the last, the final norm's and
-    the head's inputs (2 values of sbh, split by sequence parallelism) and the loss's fp32 log-probabilities
-    (4sbv, split over t when the head is vocab-parallel as in Megatron; the course's head is whole: False).
-    Context parallelism: each rank holds s / cp of every sequence, so every term is / cp (ring attention keeps
-    no other chunk's keys and values: its backward passes them around the ring again)."""
+    """One micro-batch's activations on pipeline stage `stage`, in bytes: its layers (Table 2; `layers` of them,
+    default lesson 05's cut) and section 4.3's extras, the embedding's dropout mask (sbh/t, 1 byte) on the first
+    stage and, on the last, the final norm's and the head's inputs (2 values of sbh, split by sequence parallelism)
+    and the loss's fp32 log-probabilities (4sbv, split over t when the head is vocab-parallel as in Megatron; the
+    course's head is whole: False). Context parallelism: each rank holds s / cp of every sequence, so every term is
+    / cp (ring attention keeps no other chunk's keys and values: its backward passes them around the ring again)."""
     s, b, h, t, p = model.seq_len // layout.cp, layout.micro_batch, model.hidden, layout.tp, layout.pp
     split_by_sp = t if layout.sequence_parallel else 1
     per_layer = activation_bytes_per_layer(
-        s, b, h, model.heads, t, layout.sequence_parallel, layout.recompute, value_bytes, dropout, model.top_k
-    )
-    held = per_layer * layers_of_stage(model.layers, p, stage)
+        s, b, h, model.heads, t, layout.sequence_parallel, layout.recompute, value_bytes, dropout, model.top_k,
+        layout.fused_attention,
+    )  # fmt: skip
+    held = per_layer * (layers_of_stage(model.layers, p, stage) if layers is None else layers)
     if stage == 0 and dropout:
         held += s * b * h / split_by_sp
     if stage == p - 1:
@@ -223,18 +376,23 @@ def stage_activation_bytes(
     return held
 
 
-def omitted_activation_bytes(model: Model, layout: Layout, stage: int = 0, fused_attention: bool = True) -> float:
+def omitted_activation_bytes(
+    model: Model, layout: Layout, stage: int = 0, fused_attention: bool | None = None, layers: int | None = None
+) -> float:
     """What Table 2 and section 4.3 leave out, in bytes for one micro-batch on stage `stage`, from what PyTorch's
     backward formulas save: each LayerNorm's fp32 mean and 1/std per token (two per layer, one more on the last
-    stage), a fused attention's fp32 log-sum-exp per head and token, the int64 token ids on the first stage (the
-    embedding's backward) and its int64 positions (one sequence), and on the last stage the int64 targets and the
-    loss's fp32 normaliser (the NLL's total weight, one value)."""
+    stage; none for a recomputed norm), a fused attention's fp32 log-sum-exp per head and token, the int64 token
+    ids on the first stage (the embedding's backward) and its int64 positions (one sequence), and on the last stage
+    the int64 targets and the loss's fp32 normaliser (the NLL's total weight, one value). fused_attention: default
+    the layout's."""
+    fused = layout.fused_attention if fused_attention is None else fused_attention
     s, b, t, p = model.seq_len // layout.cp, layout.micro_batch, layout.tp, layout.pp
     tokens_here = s * b / (t if layout.sequence_parallel else 1)
-    norms = 2 * layers_of_stage(model.layers, p, stage) + (stage == p - 1)
-    held = norms * 2 * 4 * tokens_here
-    if fused_attention and layout.recompute != "full":
-        held += layers_of_stage(model.layers, p, stage) * 4 * model.heads / t * s * b
+    layers = layers_of_stage(model.layers, p, stage) if layers is None else layers
+    kept_norms = 0 if layout.recompute == "full" or (fused and layout.recompute == "selective") else 2
+    held = (kept_norms * layers + (stage == p - 1)) * 2 * 4 * tokens_here
+    if fused and layout.recompute != "full":
+        held += layers * 4 * model.heads / t * s * b
     if stage == 0:
         held += 8 * s * b + 8 * s
     if stage == p - 1:
@@ -242,32 +400,58 @@ def omitted_activation_bytes(model: Model, layout: Layout, stage: int = 0, fused
     return held
 
 
-def activation_bytes(model: Model, layout: Layout) -> float:
-    """Activations on the first pipeline stage at its peak, in bytes.
+def in_flight(layout: Layout, stage: int) -> tuple[float, int]:
+    """(layers' worth of activations per stage layer, micro-batches) held at once on stage `stage` at its peak.
+    1F1B: p - stage micro-batches; interleaved with v chunks per rank, Megatron-LM's warm-up keeps 2(p-k-1) + (v-1)p + 1
+    chunks, each 1/v of the stage's layers. Never more than the step's m micro-batches."""
+    p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
+    if v == 1:
+        held = min(m, p - stage)
+        return held, held
+    chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+    return chunks / v, min(m, math.ceil(chunks / v))
 
-    1F1B: the first stage runs p forwards before its first backward, so it holds min(p, m) micro-batches of its
-    L/p layers (Korthikanti et al. 2022, section 4.2.3: p x L/p = L layers' worth). Full recomputation also rebuilds
-    one layer's whole activations during backward. The extras of section 4.3: the embedding's dropout mask
-    (sbh/t per micro-batch in flight) and, when the first stage is also the last, the final layer norm and
-    output projection inputs (4sbh/t) and the fp32 logits of the loss (4sbv/t).
-    """
+
+def activation_bytes(model: Model, layout: Layout, stage: int = 0, layers: int | None = None) -> float:
+    """Activations on pipeline stage `stage` at its peak, in bytes (16-bit values, dropout as the paper has it,
+    the log-sum-exp of a fused kernel): the micro-batches in flight (in_flight), and with full recomputation one
+    layer's activations rebuilt during backward."""
     s, b, h, t = model.seq_len // layout.cp, layout.micro_batch, model.hidden, layout.tp
-    in_flight = min(layout.pp, layout.microbatches)  # one stage (pp = 1): one micro-batch at a time
-    held = stage_activation_bytes(model, layout, 0) * in_flight
+    layers = planned_stage_layers(model.layers, layout.pp)[stage] if layers is None else layers
+    worth, microbatches = in_flight(layout, stage)
+    extras = stage_activation_bytes(model, layout, stage, layers=0)  # the embedding's, the head's and the loss's
+    lse = layers * 4 * model.heads / t * s * b if layout.fused_attention and layout.recompute != "full" else 0
+    layer_part = stage_activation_bytes(model, layout, stage, layers=layers) - extras + lse
+    held = layer_part * worth + extras * microbatches
     if layout.recompute == "full":
-        held += activation_bytes_per_layer(s, b, h, model.heads, t, layout.sequence_parallel, "none", top_k=model.top_k)
+        held += activation_bytes_per_layer(
+            s, b, h, model.heads, t, layout.sequence_parallel, "none", top_k=model.top_k,
+            fused_attention=layout.fused_attention,
+        )  # fmt: skip
     return held
 
 
-def stage_model_state(model: Model, layout: Layout, precision: str = "mixed", optimizer: str = "adam") -> dict:
-    """utils/memory.py's ZeRO rule for the parameters of one stage's tensor-parallel shard: the dense ones sharded
-    over the dp x cp ranks that hold the same weights, the experts split over ep and sharded over the dp x cp / ep
-    ranks that hold the same experts (a dense model: the first term only)."""
+def stage_params(model: Model, layout: Layout, stage: int, layers: int) -> tuple[float, float]:
+    """(dense, expert) parameters one GPU of stage `stage` holds before ZeRO: its layers' share, the embedding on the
+    first stage and the head on the last, all split over tp; experts also over ep."""
+    expert_per_layer = model.expert_params / model.layers
+    dense = layers * (model.layer_params - expert_per_layer)
+    dense += model.embedding_params * ((stage == 0) + (stage == layout.pp - 1))
+    return dense / layout.tp, layers * expert_per_layer / (layout.tp * layout.ep)
+
+
+def stage_model_state(model: Model, layout: Layout, precision: str = "mixed", optimizer: str = "adam", stage=None):
+    """utils/memory.py's ZeRO rule for one GPU's parameters: the dense ones sharded over the dp x cp ranks that hold
+    the same weights, the experts split over ep and sharded over the dp x cp / ep ranks that hold the same experts.
+    stage None: the model spread evenly, params / (tp x pp) (a dense model: the first term only); a stage number:
+    that stage's own layers (planned_stage_layers), with the embedding or the head."""
     tp, pp = layout.tp, layout.pp
-    dense = model.params - model.expert_params
-    state = model_state_bytes(dense / (tp * pp), layout.dp * layout.cp, layout.zero, precision, optimizer)
+    if stage is None:
+        dense, experts = (model.params - model.expert_params) / (tp * pp), model.expert_params / (tp * pp * layout.ep)
+    else:
+        dense, experts = stage_params(model, layout, stage, planned_stage_layers(model.layers, pp)[stage])
+    state = model_state_bytes(dense, layout.dp * layout.cp, layout.zero, precision, optimizer)
     if model.expert_params:
-        experts = model.expert_params / (tp * pp * layout.ep)
         shared = model_state_bytes(experts, layout.dp * layout.cp // layout.ep, layout.zero, precision, optimizer)
         state = {kind: state[kind] + shared[kind] for kind in state}
     return state
@@ -300,8 +484,9 @@ def rank_parameter_shapes(model: Model, tp: int, pp: int, stage: int) -> list[tu
 
 def rank_model_state(model: Model, layout: Layout, stage: int, precision: str = "fp32", optimizer: str = "sgd"):
     """utils/memory.py's ZeRO rule for the parameters one rank of stage `stage` holds (rank_parameter_shapes), over
-    its dp group. Sharded state is padded as FSDP2 pads it: each tensor's first dimension to a multiple of dp. The
-    bytes each rank of lesson 06's runs holds, exactly: ZeRO-0 from scratch, ZeRO-3 built in (FSDP2)."""
+    its dp group, at rest (between steps). Sharded state is padded as FSDP2 pads it: each tensor's first dimension
+    to a multiple of dp. The bytes each rank of lesson 06's runs holds, exactly: ZeRO-0 from scratch, ZeRO-3 built
+    in (FSDP2)."""
     shapes = rank_parameter_shapes(model, layout.tp, layout.pp, stage)
     count = sum(math.prod(shape) for shape in shapes)
     padded = sum(-(-shape[0] // layout.dp) * layout.dp * math.prod(shape[1:]) for shape in shapes)
@@ -323,107 +508,197 @@ def all_gather_seconds(nbytes: float, n: int, bandwidth: float, latency: float) 
     return 0.0 if n == 1 else (n - 1) * latency + (n - 1) / n * nbytes / bandwidth
 
 
-def bubble_fraction(p: int, m: int) -> float:
-    """Share of a GPipe or 1F1B step a stage sits idle: (p-1)/(m+p-1)."""
-    return (p - 1) / (m + p - 1)
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Share of a 1F1B step a stage sits idle: (p-1)/(m+p-1), and interleaved with v chunks per rank,
+    (p-1)/v of idle micro-batch slots against m busy ones."""
+    idle = (p - 1) / v
+    return idle / (m + idle)
 
 
 def inside_one_node(stride: int, size: int, gpus_per_node: int) -> bool:
     """Whether every group of `size` ranks spaced `stride` apart stays inside a node (ranks fill nodes in order).
-    The rank grid puts TP innermost (stride 1), then DP (stride tp), then PP (stride tp x dp)."""
+    The rank grid puts TP innermost (stride 1), then CP, DP, then PP."""
     span = stride * size
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
+def attention_flops(model: Model, layout: Layout) -> tuple[float, float]:
+    """(model, hardware) FLOPs of the attention scores and their product with V, forward, per token and layer on the
+    whole model width: model FLOPs count the whole s x s matrix (4 s h), a fused kernel skips the causal half."""
+    whole = 4 * model.seq_len * model.hidden
+    return whole, whole / 2 if layout.fused_attention else whole
+
+
 def ring_attention_seconds(model: Model, cluster: Cluster, layout: Layout) -> float:
     """Per layer and micro-batch, forward and backward, the part of ring attention's K/V traffic that the attention
-    compute does not hide. Forward: each rank receives the K and V chunks of the cp - 1 others, 2 x (cp-1)/cp x
-    s x b x h / t values (1/t: the heads are split over tp), one chunk per ring step, each step's transfer
-    overlapping the attention of the chunk in hand: 2 s^2 b h / (cp t) FLOPs forward (causal, balanced over the cp
-    ranks by a zig-zag split) at the assumed MFU. Backward: K, V and their gradients, twice the bytes, against twice
-    the FLOPs. So 3 x max(0, forward transfer - forward attention)."""
+    does not hide. Each of the cp - 1 ring steps sends a K and a V chunk, 2 x s/cp x b x h / t 16-bit values (1/t:
+    the heads are split over tp), while the attention of the chunk in hand runs (1/cp of the rank's attention, a
+    zigzag split balancing the causal triangle over the ranks); backward sends K, V and their gradients, twice the
+    bytes, against 2.5 times the forward's attention (a fused kernel's backward; 2 times unfused). Full
+    recomputation runs the forward ring again."""
     cp, t = layout.cp, layout.tp
     if cp == 1:
         return 0.0
-    s, b, h = model.seq_len, layout.micro_batch, model.hidden
+    s, b = model.seq_len, layout.micro_batch
     bandwidth, latency = cluster.link(inside_one_node(t, cp, cluster.gpus_per_node))
-    kv_bytes = 2 * 2 * (cp - 1) / cp * s * b * h / t  # K and V, 16-bit
-    transfer = (cp - 1) * latency + kv_bytes / bandwidth
-    attention = 2 * s * s * b * h / (cp * t) / (cluster.peak_flops * cluster.mfu)
-    return 3 * max(0.0, transfer - attention)
+    step_bytes = 2 * 2 * s / cp * b * model.hidden / t  # K and V chunks, 16-bit
+    transfer = latency + step_bytes / bandwidth
+    rank_attention = attention_flops(model, layout)[1] * (s / cp) * b / t / cluster.matmul_flops  # forward, seconds
+    per_step = rank_attention / cp
+    backward_ratio = 2.5 if layout.fused_attention else 2
+    forward = (cp - 1) * max(0.0, transfer - per_step)
+    backward = (cp - 1) * max(0.0, 2 * transfer - backward_ratio * per_step)
+    return forward * (2 if layout.recompute == "full" else 1) + backward
 
 
 def all_to_all_seconds(model: Model, cluster: Cluster, layout: Layout) -> float:
     """Per MoE layer and micro-batch, forward and backward: the dispatch and the combine, each tokens x k x h
     16-bit values from every rank, (ep-1)/ep of them to other ranks (ep - 1 messages each), forward and again
-    backward: 4 all-to-alls, 2 x tokens x k x h x 2 bytes x (ep-1)/ep each way. tokens: the rank's s/cp x b."""
+    backward: 4 all-to-alls (6 with full recomputation). tokens: the rank's s/cp x b."""
     ep = layout.ep
     if ep == 1 or model.experts == 1:
         return 0.0
     tokens = model.seq_len // layout.cp * layout.micro_batch
     bandwidth, latency = cluster.link(inside_one_node(layout.tp, ep, cluster.gpus_per_node))
     one = (ep - 1) * latency + tokens * model.top_k * model.hidden * 2 * (ep - 1) / ep / bandwidth
-    return 4 * one
+    return (6 if layout.recompute == "full" else 4) * one
+
+
+@dataclass
+class StageWork:
+    """One micro-batch on one GPU of a stage: seconds of forward and backward kernels, and hardware FLOPs."""
+
+    forward_s: float
+    backward_s: float
+    flops: float
+
+
+def stage_work(model: Model, cluster: Cluster, layout: Layout, stage: int, layers: int) -> StageWork:
+    """The kernels of one micro-batch on one GPU of stage `stage` holding `layers` layers: matmul FLOPs at the GPU's
+    matmul efficiency, memory-bound kernels at its HBM bandwidth, and KERNEL_OVERHEAD_S per kernel."""
+    t, cp, b = layout.tp, layout.cp, layout.micro_batch
+    s_local, h, a = model.seq_len // cp, model.hidden, model.heads
+    tokens = s_local * b
+    dense_per_layer = model.layer_params - model.expert_params / model.layers
+    active_experts = model.expert_params / model.layers * model.top_k / model.experts
+    matmul = 2 * (dense_per_layer + active_experts) * tokens / t  # forward, one layer, this GPU
+    attention = attention_flops(model, layout)[1] * tokens / t
+    head = 2 * model.embedding_params * tokens / t if stage == layout.pp - 1 else 0.0
+    attention_backward = 2.5 if layout.fused_attention else 2.0
+    forward = layers * (matmul + attention) + head
+    backward = layers * (2 * matmul + attention_backward * attention) + 2 * head
+    recomputed = {"none": 0.0, "full": layers * (matmul + attention)}
+    recomputed["selective"] = 0.0 if layout.fused_attention else layers * attention
+    flops = forward + backward + recomputed[layout.recompute]
+
+    # Memory-bound kernels: norms and residual adds on the tokens this rank holds (split over t by sequence
+    # parallelism), the activation function on its ffn / t slice, the unfused scores' softmax and dropout.
+    ffn = model.ffn_hidden or 4 * h
+    values = NORM_RESIDUAL_VALUES * h / (t if layout.sequence_parallel else 1) + 2 * ffn * model.top_k / t
+    values_bytes = 2 * values * tokens
+    score_bytes = 0.0 if layout.fused_attention else 2 * SCORE_PASSES * a / t * s_local * model.seq_len * b
+    moved_forward = layers * (values_bytes + score_bytes)
+    moved_recomputed = {"none": 0.0, "full": moved_forward, "selective": layers * score_bytes}
+    if layout.fused_attention:  # the norms and the activation function, again
+        moved_recomputed["selective"] = layers * values_bytes / 2
+
+    overhead = layers * KERNELS_PER_LAYER * KERNEL_OVERHEAD_S
+    forward_s = forward / cluster.matmul_flops + moved_forward / cluster.hbm_bandwidth + overhead / 3
+    backward_s = (
+        (flops - forward) / cluster.matmul_flops
+        + (2 * moved_forward + moved_recomputed[layout.recompute]) / cluster.hbm_bandwidth
+        + overhead * (2 / 3 + (1 / 3 if layout.recompute == "full" else 0))
+    )
+    return StageWork(forward_s, backward_s, flops)
+
+
+def model_flops_per_token(model: Model, whole_attention: bool = False) -> float:
+    """The model FLOPs MFU counts, per token: 6N (the active parameters of a MoE model) plus the attention's scores
+    and their product with V, 6 L s h for a causal model (the half of the s x s matrix it needs), or 12 L s h counted
+    whole (whole_attention=True), as Megatron-LM's papers, PaLM and torchtitan count it."""
+    return 6 * model.active_params + (12 if whole_attention else 6) * model.layers * model.seq_len * model.hidden
 
 
 def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "mixed", optimizer="adam"):
     """Memory and step time of one layout (whether or not it can run: see check_layout)."""
     s, b, h, t, p, m = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.pp, layout.microbatches
-    cp = layout.cp
+    cp, v = layout.cp, layout.virtual_stages
     pred = Prediction(layout)
-    pred.model_state = stage_model_state(model, layout, precision, optimizer)
-    pred.activations = activation_bytes(model, layout)
+    pred.stage_layers = planned_stage_layers(model.layers, p)
+    replicas = layout.dp * cp  # ranks that hold the same dense weights
+    expert_replicas = replicas // layout.ep
+    per = bytes_per_param(precision, optimizer)
 
-    # Compute: 6 FLOPs per parameter per token (forward 2, backward 4), spread over every GPU; a MoE model's
-    # tokens go through its active parameters only (the dense ones and top_k experts a layer).
-    tokens = layout.dp * m * b * s
-    # Recomputation: selective adds the attention scores again, about s/6h (Korthikanti et al. 2022, eq. 9);
-    # full adds a whole forward, 2 of the 6 FLOPs.
-    extra = {"none": 1.0, "selective": 1 + s / (6 * h), "full": 4 / 3}[layout.recompute]
-    pred.compute_s = 6 * model.active_params * tokens * extra / (cluster.gpus * cluster.peak_flops * cluster.mfu)
+    # Memory: every stage's model state, buffers and activations; the stage that needs the most is reported.
+    def stage_memory(stage):
+        layers = pred.stage_layers[stage]
+        state = stage_model_state(model, layout, precision, optimizer, stage)
+        buffers = 0.0
+        one_layer = sum(stage_params(model, layout, stage, 1)) - sum(stage_params(model, layout, stage, 0))
+        if layout.zero == 3:  # the block in use and the prefetched one, gathered, and their unsharded gradients
+            buffers = 2 * one_layer * (per["params"] + per["grads"])
+        elif layout.zero == 2:  # one layer's gradients waiting for their reduce-scatter
+            buffers = one_layer * per["grads"]
+        return state, activation_bytes(model, layout, stage, layers), buffers
 
-    # Tensor parallelism (Megatron): per layer 2 all-reduces forward, 2 backward (2 more when the forward is
-    # recomputed), each of s/cp x b x h 16-bit values, inside the node. Sequence parallelism swaps each for a
-    # reduce-scatter + all-gather of the same volume. They sit between matmuls: nothing hides them.
-    layers_here = math.ceil(model.layers / p)
+    memories = [stage_memory(stage) for stage in range(p)]
+    pred.stage = max(range(p), key=lambda k: sum(memories[k][0].values()) + memories[k][1] + memories[k][2])
+    pred.model_state, pred.activations, pred.buffers = memories[pred.stage]
+
+    # Compute, per micro-batch, on every stage; the busiest sets the pace.
+    works = [stage_work(model, cluster, layout, stage, pred.stage_layers[stage]) for stage in range(p)]
+    busiest = max(range(p), key=lambda k: works[k].forward_s + works[k].backward_s)
+    work = works[busiest]
+    layers_here = pred.stage_layers[busiest]
+    pred.compute_s = m * (work.forward_s + work.backward_s)
+
+    # Tensor parallelism: per layer 2 all-reduces forward, 2 backward (2 more when the forward is recomputed).
     per_layer = 4 + (2 if layout.recompute == "full" else 0)
     tp_link = cluster.link(inside_one_node(1, t, cluster.gpus_per_node))
     pred.tp_s = layers_here * m * per_layer * all_reduce_seconds(2 * s // cp * b * h, t, *tp_link)
-    # Context and expert parallelism: per layer and micro-batch, as tensor parallelism's traffic is.
     pred.cp_s = layers_here * m * ring_attention_seconds(model, cluster, layout)
     pred.ep_s = layers_here * m * all_to_all_seconds(model, cluster, layout)
 
-    # Pipeline: fill and drain leave each stage idle (p-1)/(m+p-1) of the time; one send of the boundary
-    # activation (sequence parallel: 1/t of it per rank) per schedule slot, forward and backward.
+    # Pipeline: the bubble is (p-1)/v idle micro-batch slots of the busiest stage's work.
     busy = pred.compute_s + pred.tp_s + pred.cp_s + pred.ep_s
-    pipeline = busy * (m + p - 1) / m
-    pred.bubble_s = pipeline - busy
+    pred.bubble_s = busy / m * (p - 1) / v
     if p > 1:
         bandwidth, latency = cluster.link(inside_one_node(t * cp * layout.dp, p, cluster.gpus_per_node))
         boundary = 2 * s // cp * b * h / (t if layout.sequence_parallel else 1)
-        pred.pp_s = 2 * (m + p - 1) * (latency + boundary / bandwidth)
+        pred.pp_s = 2 * (p * v - 1) * (latency + boundary / bandwidth)
 
-    # Data parallelism: the stage's gradients once per step, over the dp x cp ranks that hold the same weights
-    # (the experts': over the dp x cp / ep that hold the same experts, ep ranks apart). ZeRO 0-2 move them as an
-    # all-reduce (ZeRO-1/2: reduce-scatter + all-gather of the updated parameters, the same bytes); ZeRO-3 adds a
-    # second parameter all-gather (forward and backward), 1.5x, counted once per step (parameters kept across
-    # micro-batches).
-    per_param = bytes_per_param(precision, optimizer)["grads"]
-    dense_bytes = per_param * (model.params - model.expert_params) / (t * p)
-    transfers = 3 if layout.zero == 3 else 2
-    dp_link = cluster.link(inside_one_node(t, layout.dp * cp, cluster.gpus_per_node))
-    pred.dp_s = transfers * all_gather_seconds(dense_bytes, layout.dp * cp, *dp_link)
-    if model.expert_params:
-        expert_bytes = per_param * model.expert_params / (t * p * layout.ep)
-        replicas = layout.dp * cp // layout.ep
-        expert_link = cluster.link(inside_one_node(t * layout.ep, replicas, cluster.gpus_per_node))
-        pred.dp_s += transfers * all_gather_seconds(expert_bytes, replicas, *expert_link)
-    # What overlaps: the traffic starts during the last micro-batch's backward (2/3 of its compute) and hides there.
-    pred.dp_exposed_s = max(0.0, pred.dp_s - (2 / 3) * pred.compute_s / m)
+    # Data parallelism, for the busiest stage's parameters (bytes in the gradients' precision).
+    dense, experts = stage_params(model, layout, busiest, layers_here)
+    dp_link = cluster.link(inside_one_node(t, replicas, cluster.gpus_per_node))
+    expert_link = cluster.link(inside_one_node(t * layout.ep, expert_replicas, cluster.gpus_per_node))
 
-    pred.step_s = pipeline + pred.pp_s + pred.dp_exposed_s
+    def gather(nbytes_dense, nbytes_experts):  # one all-gather (or reduce-scatter) of the stage's parameters
+        seconds = all_gather_seconds(nbytes_dense, replicas, *dp_link)
+        return seconds + (all_gather_seconds(nbytes_experts, expert_replicas, *expert_link) if nbytes_experts else 0)
+
+    one = gather(per["grads"] * dense, per["grads"] * experts)
+    first_forward, last_backward = work.forward_s, work.backward_s
+    if layout.zero == 0:  # one all-reduce after the last backward
+        pred.dp_s = 2 * one
+        pred.dp_exposed_s = max(0.0, 2 * one - last_backward)
+    elif layout.zero == 1:  # reduce-scatter after the last backward, all-gather before the next forward
+        pred.dp_s = 2 * one
+        pred.dp_exposed_s = max(0.0, one - last_backward) + max(0.0, one - first_forward)
+    elif layout.zero == 2:  # a reduce-scatter every micro-batch, each hidden by its own backward
+        pred.dp_s = (m + 1) * one
+        pred.dp_exposed_s = m * max(0.0, one - last_backward) + max(0.0, one - first_forward)
+    else:  # ZeRO-3: gather before each forward and each backward, reduce-scatter after, every micro-batch
+        pred.dp_s = 3 * m * one
+        pred.dp_exposed_s = m * (max(0.0, one - first_forward) + max(0.0, 2 * one - last_backward))
+
+    pred.step_s = busy + pred.bubble_s + pred.pp_s + pred.dp_exposed_s
+    tokens = layout.dp * m * b * s
     pred.tokens_per_s = tokens / pred.step_s
-    pred.mfu = 6 * model.active_params * pred.tokens_per_s / (cluster.gpus * cluster.peak_flops)
+    pred.model_flops = model_flops_per_token(model) * tokens
+    pred.hardware_flops = sum(w.flops for w in works) * t * cp * layout.dp * m
+    pred.mfu = pred.model_flops / pred.step_s / (cluster.gpus * cluster.peak_flops)
+    pred.hfu = pred.hardware_flops / pred.step_s / (cluster.gpus * cluster.peak_flops)
+    pred.tflops_per_gpu = pred.hardware_flops / pred.step_s / cluster.gpus / 1e12
     return pred
 
 
@@ -434,7 +709,7 @@ def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "mi
 
 def check_layout(model: Model, cluster: Cluster, layout: Layout, global_batch: int) -> str | None:
     """Why a layout cannot run on this model and cluster, in a few words; None when its shape is sound."""
-    dp, tp, pp, cp, ep = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep
+    dp, tp, pp, cp, ep, v = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.virtual_stages
     if layout.gpus != cluster.gpus:
         return f"cp x dp x tp x pp is not the GPU count ({layout.gpus} != {cluster.gpus})"
     if model.heads % tp:
@@ -451,25 +726,37 @@ def check_layout(model: Model, cluster: Cluster, layout: Layout, global_batch: i
         return f"experts not divisible by ep ({model.experts} experts, ep={ep})"
     if (dp * cp) % ep:
         return f"ep does not divide dp x cp (ep={ep}, dp={dp}, cp={cp}: EP ranks are taken inside dp x cp)"
-    if model.layers % pp:
-        return f"layers not divisible by pp ({model.layers} layers, pp={pp})"
+    if pp * v > model.layers:
+        return f"more pipeline chunks than layers ({model.layers} layers, pp={pp} x v={v})"
+    if v > 1 and pp == 1:
+        return f"virtual stages without a pipeline (v={v}, pp=1)"
+    if v > 1 and layout.microbatches % pp:
+        return f"interleaving needs micro-batches in multiples of pp (m={layout.microbatches}, pp={pp})"
     if dp * layout.micro_batch * layout.microbatches != global_batch:
         return f"batch does not split ({global_batch} sequences over dp={dp} x micro-batch {layout.micro_batch})"
     if dp * cp == 1 and layout.zero > 0:
         return f"ZeRO shards nothing at dp=1 (ZeRO-{layout.zero} is ZeRO-0)"
+    if pp > 1 and layout.zero >= 2:
+        return (
+            f"ZeRO-{layout.zero} under a pipeline holds what ZeRO-1 holds (pp={pp}: full gradients kept until the "
+            "last micro-batch; use ZeRO-1)"
+        )
     if layout.recompute not in RECOMPUTE:
         return f"unknown recomputation ({layout.recompute!r}, not one of {RECOMPUTE})"
     return None
 
 
 def evaluate(model: Model, cluster: Cluster, layout: Layout, global_batch: int, **state) -> Prediction:
-    """check_layout, then predict; a layout whose shape is sound but whose memory exceeds the GPU's is refused."""
+    """check_layout, then predict; a layout whose shape is sound but whose memory exceeds what the GPU can give
+    (its memory less the reserve) is refused."""
     reason = check_layout(model, cluster, layout, global_batch)
     if reason:
         return Prediction(layout, reason)
     pred = predict(model, cluster, layout, **state)
-    if pred.memory > cluster.memory:
-        pred.reason = f"does not fit ({human(pred.memory)} > {human(cluster.memory)})"
+    if pred.memory > cluster.usable_memory:
+        pred.reason = (
+            f"does not fit ({human(pred.memory)} > {human(cluster.usable_memory)} usable of {human(cluster.memory)})"
+        )
     return pred
 
 
@@ -478,10 +765,17 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(
-    cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), sequence_parallel=True, cps=(1,), eps=(1,)
+    cluster: Cluster,
+    global_batch: int,
+    micro_batches=(1, 2, 4, 8),
+    sequence_parallel=True,
+    cps=(1,),
+    eps=(1,),
+    virtual_stages=(1,),
 ):
     """Every (tp, pp, cp, dp) whose product is the GPU count for each cp of `cps`, with each ep of `eps`, micro-batch
-    size, ZeRO stage and recomputation. A cp that does not divide the GPUs left by tp x pp is skipped."""
+    size, ZeRO stage, recomputation and number of virtual stages (v > 1 only where pp > 1). A cp that does not divide
+    the GPUs left by tp x pp is skipped."""
     for tp, pp in itertools.product(divisors(cluster.gpus), repeat=2):
         if cluster.gpus % (tp * pp):
             continue
@@ -489,29 +783,41 @@ def enumerate_layouts(
             if cluster.gpus % (tp * pp * cp):
                 continue
             dp = cluster.gpus // (tp * pp * cp)
-            for ep, b, zero, recompute in itertools.product(eps, micro_batches, range(4), RECOMPUTE):
+            vs = sorted({v for v in virtual_stages if v == 1 or pp > 1})
+            for ep, b, zero, recompute, v in itertools.product(eps, micro_batches, range(4), RECOMPUTE, vs):
                 m = global_batch // (dp * b)  # 0 or a remainder: check_layout says the batch does not split
-                yield Layout(dp, tp, pp, b, m, zero, recompute, sequence_parallel, cp, ep)
+                yield Layout(dp, tp, pp, b, m, zero, recompute, sequence_parallel, cp, ep, v)
 
 
-def plan(model, cluster, global_batch, micro_batches=(1, 2, 4, 8), sequence_parallel=True, cps=(1,), eps=(1,), **state):
+def plan(
+    model,
+    cluster,
+    global_batch,
+    micro_batches=(1, 2, 4, 8),
+    sequence_parallel=True,
+    cps=(1,),
+    eps=(1,),
+    virtual_stages=(1,),
+    **state,
+):
     """Every layout evaluated: those that run first, fastest first (the smaller memory first among equals), then
-    the refused ones. cps, eps: the context- and expert-parallel sizes to consider. state: precision and
-    optimizer, as utils/memory.py takes them."""
-    layouts = enumerate_layouts(cluster, global_batch, micro_batches, sequence_parallel, cps, eps)
+    the refused ones. cps, eps, virtual_stages: the sizes to consider. state: precision and optimizer, as
+    utils/memory.py takes them."""
+    layouts = enumerate_layouts(cluster, global_batch, micro_batches, sequence_parallel, cps, eps, virtual_stages)
     predictions = [evaluate(model, cluster, layout, global_batch, **state) for layout in layouts]
     return sorted(predictions, key=lambda pred: (not pred.fits, -round(pred.tokens_per_s, 6), pred.memory))
 
 
 def table(predictions: list[Prediction]) -> str:
     header = (
-        f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'mb':>3} {'m':>4} {'zero':>4} {'recompute':>9} "
-        f"{'state':>8} {'activ.':>8} {'step s':>7} {'bubble':>6} {'comm s':>7} {'tokens/s':>10} {'MFU':>5}  reason"
+        f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'v':>2} {'cp':>3} {'ep':>3} {'mb':>3} {'m':>4} {'zero':>4} "
+        f"{'recompute':>9} {'state':>8} {'activ.':>8} {'step s':>7} {'bubble':>6} {'comm s':>7} {'tokens/s':>10} "
+        f"{'MFU':>5}  reason"
     )
     lines = [header]
     for rank, pred in enumerate(predictions, 1):
         lay = pred.layout
-        cells = f"{rank:>3} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.ep:>3} "
+        cells = f"{rank:>3} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {lay.virtual_stages:>2} {lay.cp:>3} {lay.ep:>3} "
         cells += f"{lay.micro_batch:>3} {lay.microbatches:>4} "
         cells += f"{lay.zero:>4} {lay.recompute:>9} "
         if pred.step_s:  # the numbers exist once the layout's shape was sound
@@ -524,14 +830,55 @@ def table(predictions: list[Prediction]) -> str:
     return "\n".join(lines)
 
 
+def reason_kind(reason: str) -> str:
+    """A reason's kind: its words before the numbers in brackets."""
+    return reason.split(" (")[0]
+
+
 def rejection_summary(predictions: list[Prediction]) -> str:
-    """How many layouts each kind of reason refused (a reason is its kind, then its numbers in brackets)."""
+    """How many layouts each kind of reason refused."""
     counts = {}
     for pred in predictions:
         if not pred.fits:
-            kind = pred.reason.split(" (")[0]
-            counts[kind] = counts.get(kind, 0) + 1
+            counts[reason_kind(pred.reason)] = counts.get(reason_kind(pred.reason), 0) + 1
     return "\n".join(f"  {n:>5}  {kind}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def round_to(n: int, multiple: int, up: bool) -> int:
+    return (math.ceil(n / multiple) if up else n // multiple) * multiple
+
+
+def what_would_run(model: Model, cluster: Cluster, global_batch: int, predictions: list[Prediction], **options) -> str:
+    """When no layout runs: the one change, tried in this order, that admits a layout: the closest GPU memory need
+    (the smallest prediction among layouts whose shape was sound), a global batch near the given one, more GPUs
+    (whole nodes), a shorter sequence. options: plan's other arguments."""
+    sound = [pred for pred in predictions if pred.step_s]
+    lines = []
+    if sound:
+        least = min(sound, key=lambda pred: pred.memory)
+        lines.append(
+            f"the least memory any layout needs: {human(least.memory)} ({least.layout}), "
+            f"{human(cluster.usable_memory)} usable per GPU"
+        )
+    near = {round_to(global_batch, d, up) for d in (2, 4, 8, 16, 32, 64, cluster.gpus_per_node, cluster.gpus)
+            for up in (False, True)} - {0, global_batch}  # fmt: skip
+    for batch in sorted(near, key=lambda g: (abs(g - global_batch), g)):
+        if any(pred.fits for pred in plan(model, cluster, batch, **options)):
+            lines.append(f"a global batch of {batch} sequences runs")
+            break
+    nodes = math.ceil(cluster.gpus / cluster.gpus_per_node)
+    for more in (nodes + 1, 2 * nodes, 4 * nodes, 8 * nodes):
+        bigger = replace(cluster, gpus=more * cluster.gpus_per_node)
+        if any(pred.fits for pred in plan(model, bigger, global_batch, **options)):
+            lines.append(f"{bigger.gpus} GPUs ({more} nodes of {cluster.gpus_per_node}) run it")
+            break
+    shorter = model.seq_len // 2
+    while shorter >= 512:
+        if any(pred.fits for pred in plan(replace(model, seq_len=shorter), cluster, global_batch, **options)):
+            lines.append(f"sequences of {shorter} tokens run")
+            break
+        shorter //= 2
+    return "\n".join(lines) if lines else "no single change tried (batch, GPUs, sequence) admits a layout"
 
 
 def parse_size(text: str) -> float:
@@ -544,14 +891,17 @@ def parse_size(text: str) -> float:
     return float(text)
 
 
-def main(argv=None):
-    defaults = Cluster(gpus=8)
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m utils.planner",
-        description="Rank every (dp, tp, pp, micro-batch, ZeRO, recompute) layout by predicted tokens/s.",
-        epilog="The cluster defaults describe H100 SXM nodes: 8 GPUs a node, 80 GB, 989 TFLOP/s dense bf16, NVLink 4 "
-        "at 450 GB/s each way inside a node, one 400 Gb/s InfiniBand NIC (50 GB/s) per GPU between nodes; the "
-        "latencies and the MFU are assumptions.",
+        description="Rank every (dp, tp, pp, v, cp, ep, micro-batch, ZeRO, recompute) layout by predicted tokens/s.",
+        epilog="GPU presets (--gpu): "
+        + "; ".join(
+            f"{key}: {hw['name']}, {hw['peak_flops'] / 1e12:.0f} TFLOP/s bf16, {hw['intra_bandwidth'] / 1e9:.0f} GB/s "
+            f"NVLink and {hw['inter_bandwidth'] / 1e9:.0f} GB/s NIC per GPU each way"
+            for key, hw in HARDWARE.items()
+        )
+        + ". The other --gpu-* options override the preset. Exit status 1 when no layout runs.",
     )
     add = parser.add_argument
     add("--params", type=float, required=True, help="parameters in the model, e.g. 70e9")
@@ -565,41 +915,43 @@ def main(argv=None):
     add("--ffn-hidden", type=int, help="an expert's hidden width (default 4 x --hidden)")
     add("--global-batch", type=int, required=True, help="sequences per optimizer step, all GPUs together")
     add("--gpus", type=int, required=True, help="GPUs in the job")
-    add("--gpus-per-node", type=int, default=defaults.gpus_per_node, help="default: 8 (an H100 node)")
-    add("--gpu-memory", default="80GB", help="memory per GPU, e.g. 80GB (default: H100 80GB)")
-    add("--peak-tflops", type=float, default=defaults.peak_flops / 1e12, help="default: 989 (H100 SXM, dense bf16)")
-    add("--mfu", type=float, default=defaults.mfu, help="assumed fraction of peak while computing (default 0.5)")
-    add("--intra-gbps", type=float, default=defaults.intra_bandwidth / 1e9, help="GB/s per GPU in a node (NVLink: 450)")
-    add("--inter-gbps", type=float, default=defaults.inter_bandwidth / 1e9, help="GB/s per GPU across nodes (IB: 50)")
-    add("--intra-latency-us", type=float, default=defaults.intra_latency * 1e6, help="per message in a node (5)")
-    add("--inter-latency-us", type=float, default=defaults.inter_latency * 1e6, help="per message across nodes (10)")
+    add("--gpu", choices=sorted(HARDWARE), default="H100", help="the GPU's preset (default H100)")
+    add("--gpus-per-node", type=int, default=8, help="default: 8")
+    add("--gpu-memory", help="memory per GPU, e.g. 80GB (default: the preset's)")
+    add("--peak-tflops", type=float, help="dense bf16 peak per GPU (default: the preset's)")
+    add("--intra-gbps", type=float, help="GB/s per GPU in a node, each way (default: the preset's NVLink)")
+    add("--inter-gbps", type=float, help="GB/s per GPU across nodes, each way (default: the preset's NIC)")
     add("--precision", choices=sorted(PRECISIONS), default="mixed", help="model state as utils/memory.py counts it")
     add("--optimizer", choices=sorted(OPTIMIZER_STATE), default="adam")
     add("--micro-batches", default="1,2,4,8", help="micro-batch sizes to try, comma-separated")
     add("--cp", default="1", help="context-parallel sizes to try, comma-separated, e.g. 1,2,4 (default 1)")
     add("--ep", default="1", help="expert-parallel sizes to try, comma-separated, e.g. 1,2,4,8 (default 1)")
+    add("--virtual-stages", default="1,2,4", help="interleaved chunks per pipeline rank to try (default 1,2,4)")
+    add("--unfused-attention", action="store_true", help="attention that stores its s x s scores (no fused kernel)")
     add("--no-sequence-parallel", action="store_true", help="tensor parallelism without sequence parallelism")
     add("--top", type=int, default=10, help="how many runnable layouts to print")
     add("--all", action="store_true", help="print every layout, the refused ones with their reason")
     args = parser.parse_args(argv)
     try:
-        micro_batches, cps, eps = (
-            tuple(int(n) for n in text.split(",")) for text in (args.micro_batches, args.cp, args.ep)
+        micro_batches, cps, eps, vs = (
+            tuple(int(n) for n in text.split(","))
+            for text in (args.micro_batches, args.cp, args.ep, args.virtual_stages)
         )
-        memory = parse_size(args.gpu_memory)
+        memory = parse_size(args.gpu_memory) if args.gpu_memory else HARDWARE[args.gpu]["memory"]
     except ValueError:
-        parser.error("--micro-batches, --cp and --ep take integers like 1,2,4 and --gpu-memory a size like 80GB")
+        parser.error(
+            "--micro-batches, --cp, --ep and --virtual-stages take integers like 1,2,4 and --gpu-memory a size like "
+            "80GB"
+        )
     numbers = [args.params, args.layers, args.hidden, args.heads, args.vocab, args.seq_len, args.global_batch]
     sizes = [args.gpus, args.gpus_per_node, memory, args.top, args.experts, args.top_k, *micro_batches, *cps, *eps]
-    if min(numbers + sizes) < 1:
+    if min(numbers + sizes + list(vs)) < 1:
         parser.error(
             "model sizes, --global-batch, --gpus, --gpus-per-node, --gpu-memory, --top, --experts, --top-k, "
-            "--micro-batches, --cp and --ep must be positive"
+            "--micro-batches, --cp, --ep and --virtual-stages must be positive"
         )
     if args.top_k > args.experts:
         parser.error(f"--top-k {args.top_k} is more than --experts {args.experts}: route each token to fewer experts")
-    if not 0 < args.mfu <= 1:
-        parser.error("--mfu is a fraction of peak, in (0, 1]")
     model = Model(
         args.params, args.layers, args.hidden, args.heads, args.vocab, args.seq_len, args.experts, args.top_k,
         args.ffn_hidden,
@@ -609,25 +961,36 @@ def main(argv=None):
             f"{args.experts} experts of 2 x {args.hidden} x {args.ffn_hidden or 4 * args.hidden} parameters in "
             f"{args.layers} layers are {model.expert_params:.3g}, not less than --params {args.params:.3g}"
         )
-    cluster = Cluster(
-        args.gpus, args.gpus_per_node, memory, args.peak_tflops * 1e12, args.intra_gbps * 1e9, args.inter_gbps * 1e9,
-        args.intra_latency_us * 1e-6, args.inter_latency_us * 1e-6, args.mfu,
-    )  # fmt: skip
+    overrides = {"memory": memory}
+    for option, key, scale in (("peak_tflops", "peak_flops", 1e12), ("intra_gbps", "intra_bandwidth", 1e9),
+                               ("inter_gbps", "inter_bandwidth", 1e9)):  # fmt: skip
+        if getattr(args, option) is not None:
+            if getattr(args, option) <= 0:
+                parser.error(f"--{option.replace('_', '-')} must be positive")
+            overrides[key] = getattr(args, option) * scale
+    cluster = Cluster.of(args.gpu, args.gpus, args.gpus_per_node, **overrides)
     state = {"precision": args.precision, "optimizer": args.optimizer}
-    sp = not args.no_sequence_parallel
-    predictions = plan(model, cluster, args.global_batch, micro_batches, sp, cps, eps, **state)
+    options = dict(micro_batches=micro_batches, sequence_parallel=not args.no_sequence_parallel, cps=cps, eps=eps,
+                   virtual_stages=vs)  # fmt: skip
+    predictions = plan(model, cluster, args.global_batch, **options, **state)
+    if args.unfused_attention:
+        layouts = [replace(pred.layout, fused_attention=False) for pred in predictions]
+        predictions = [evaluate(model, cluster, layout, args.global_batch, **state) for layout in layouts]
+        predictions.sort(key=lambda pred: (not pred.fits, -round(pred.tokens_per_s, 6), pred.memory))
     runnable = [pred for pred in predictions if pred.fits]
     print(
-        f"{args.params:.3g} parameters, {args.gpus} GPUs ({args.gpus_per_node} per node, {human(memory)} each), "
-        f"global batch {args.global_batch} x {args.seq_len} tokens, {args.precision} {args.optimizer}, "
-        f"assumed MFU {args.mfu:.0%}: "
-        f"{len(runnable)} of {len(predictions)} layouts run"
+        f"{args.params:.3g} parameters, {args.gpus} x {cluster.name} ({args.gpus_per_node} per node, "
+        f"{human(cluster.usable_memory)} usable of {human(memory)}), global batch {args.global_batch} x "
+        f"{args.seq_len} tokens, {args.precision} {args.optimizer}: {len(runnable)} of {len(predictions)} layouts run"
     )
     print(table(predictions if args.all else runnable[: args.top]))
     print(f"refused ({len(predictions) - len(runnable)}):\n{rejection_summary(predictions)}")
     if not runnable:
-        print("no layout fits: add GPUs, shorten the sequence, or allow smaller micro-batches")
+        print("no layout runs. What would:\n" + what_would_run(model, cluster, args.global_batch, predictions,
+                                                               **options, **state))  # fmt: skip
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
