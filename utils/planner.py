@@ -55,20 +55,22 @@ node, the NIC across), ranks ordered tp, cp, dp, pp innermost first (Megatron-LM
   all-gather of the same volume. Counted as exposed (asynchronous TP, which overlaps them with the matmuls on GPUs,
   is not modelled).
 - CP (ring attention): per layer and micro-batch cp - 1 ring steps, each sending a K and a V chunk (2 s/cp b h / t
-  values) while the attention of the chunk in hand runs; only the excess shows. Backward sends K, V and their
-  gradients (twice the bytes) against 2.5 times the forward's attention. The per-step compute grows as (s/cp)^2 h,
-  the transfer as (s/cp) h: long chunks hide the ring.
+  values, kv_heads / heads of that with grouped-query attention) while the attention of the chunk in hand runs;
+  only the excess shows. Backward sends K, V and their gradients (twice the bytes) against 2.5 times the forward's
+  attention. The per-step compute grows as (s/cp)^2 h, the transfer as (s/cp) h: long chunks hide the ring.
 - EP: per MoE layer and micro-batch, a dispatch and a combine all-to-all forward and backward, each tokens x k x h
   16-bit values, (ep-1)/ep of them to other ranks; nothing hides them.
 - PP: one send of the boundary activation per micro-batch and chunk boundary, forward and backward; the steady
   state's sends overlap the next micro-batch's compute, the fill and drain's (2 (p v - 1) of them) do not. The
   bubble: (p-1) / (v m) of the busiest stage's work.
 - DP: the stage's gradients over the dp x cp ranks that hold the same weights: an all-reduce (ZeRO-0), or a
-  reduce-scatter and an all-gather of the updated parameters (ZeRO-1/2), plus ZeRO-3's parameter all-gathers. The
-  final reduction hides behind the last micro-batch's backward, the parameter all-gather behind the next step's
-  first forward; what exceeds them shows.
+  reduce-scatter and an all-gather of the updated parameters (ZeRO-1/2), plus ZeRO-3's parameter all-gathers, one
+  collective per block (FSDP2's unit), each paying the ring's n - 1 latencies. The final reduction hides behind the
+  last micro-batch's backward, the parameter all-gather behind the next step's first forward; what exceeds them
+  shows.
 
-What it leaves out: grouped-query attention (K/V as wide as Q), SwiGLU's third matrix (give its parameters in N;
+What it leaves out: NCCL's tree and PAT algorithms, whose latency grows as log n instead of the ring's n - 1 (the
+planner overcharges very large flat groups), SwiGLU's third matrix (give its parameters in N;
 the activations stay a 4h GELU MLP's), asynchronous TP, the MoE capacity factor and load imbalance (tokens spread
 evenly over the experts), the optimizer step's own time, data loading, stragglers and network contention.
 """
@@ -112,6 +114,12 @@ class Model:
     experts: int = 1  # experts per MoE layer (1: a dense model; with more, every layer's MLP is a MoE layer)
     top_k: int = 1  # experts each token is routed to
     ffn_hidden: int | None = None  # an expert's (or the MLP's) hidden width; None: 4 x hidden
+    kv_heads: int | None = None  # grouped-query attention's key/value heads; None: as many as heads
+
+    @property
+    def kv_fraction(self) -> float:
+        """How wide K and V are against Q: kv_heads / heads (1 without grouped-query attention)."""
+        return (self.kv_heads or self.heads) / self.heads
 
     @property
     def expert_params(self) -> float:
@@ -139,15 +147,16 @@ class Model:
 
 # GPU presets: dense bf16 peak, HBM bandwidth, NVLink bandwidth per GPU each way, NIC bandwidth per GPU each way,
 # from NVIDIA's A100 datasheet (2021), H100 datasheet (2023) and H200 product brief (2024); the H800 is the H100 with
-# NVLink cut to 400 GB/s in all (DeepSeek-V3 report, arXiv:2412.19437, section 3.1). Latencies: the order NCCL shows
+# NVLink cut to 400 GB/s in all (Zhao et al., "Insights into DeepSeek-V3", ISCA 2025, arXiv:2505.09343, section 4.1).
+# Latencies: the order NCCL shows
 # per ring step.
 # MATMUL_EFFICIENCY, the share of peak the matmuls reach inside a real training loop, is the planner's one fitted
-# number: fitted once, to Narayanan et al. 2021's 1.7B run (Table 1: 137 TFLOP/s per A100 with tp = pp = 1, the run
-# with the least communication, so the least else to blame), and used for every GPU and every other published run,
-# which it then predicts (utils/published_runs.py). cuBLAS alone reaches more on large shapes (about 80 % of an A100's
-# peak); the difference is what the planner does not model: the optimizer step, data loading, launch gaps, clocks
-# under power limits.
-MATMUL_EFFICIENCY = 0.56
+# number: fitted once, to Narayanan et al. 2021's Table 1 (ten GPT runs of Megatron-LM from 1.7B to 1T parameters on
+# A100s, the widest range of sizes one software ran: the geometric mean of predicted over published TFLOP/s is 1), and
+# used for every GPU and every other published run, which it then predicts (utils/published_runs.py). cuBLAS alone
+# reaches more on large shapes (about 80 % of an A100's peak); the difference is what the planner does not model:
+# the optimizer step, data loading, launch gaps, clocks under power limits.
+MATMUL_EFFICIENCY = 0.6
 HARDWARE = {
     "A100": dict(
         name="A100 SXM 80GB", memory=80e9, peak_flops=312e12, hbm_bandwidth=2.0e12, intra_bandwidth=300e9,
@@ -286,6 +295,7 @@ def activation_bytes_per_layer(
     dropout: bool = True,
     top_k: int = 1,
     fused_attention: bool = False,
+    kv_fraction: float = 1.0,
 ) -> float:
     """Bytes one transformer layer keeps for backward, 16-bit activations and 1-byte dropout masks.
 
@@ -310,6 +320,7 @@ def activation_bytes_per_layer(
     value_bytes and dropout restate them for another model: 4 for fp32 (the course's CPU runs), dropout=False for
     the course model (it has none). A MoE layer runs each token through top_k experts: the MLP's input
     (dispatched) and its up and GELU outputs count top_k times (1 of the 4 whole values, 8 of the 12 split ones).
+    Grouped-query attention keeps K and V kv_fraction as wide as Q (kv_heads / heads).
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
@@ -319,11 +330,11 @@ def activation_bytes_per_layer(
         return value_bytes * sbh / split_by_sp
     masks = 2 if dropout else 0
     if fused_attention and recompute == "selective":  # norms' outputs and the activation function's recomputed
-        whole, split = 2, 4 + 4 * top_k
+        whole, split = 2, 2 + 2 * kv_fraction + 4 * top_k
         return sbh * ((whole * value_bytes + masks) / split_by_sp + split * value_bytes / t)
     kept_scores = not fused_attention and recompute == "none"
     scores = a * s * s * b * (value_bytes * (1 + dropout) + dropout) / t if kept_scores else 0
-    whole, split = 3 + top_k, 4 + 8 * top_k
+    whole, split = 3 + top_k, 2 + 2 * kv_fraction + 8 * top_k
     return sbh * ((whole * value_bytes + masks) / split_by_sp + split * value_bytes / t) + scores
 
 
@@ -366,7 +377,7 @@ def stage_activation_bytes(
     split_by_sp = t if layout.sequence_parallel else 1
     per_layer = activation_bytes_per_layer(
         s, b, h, model.heads, t, layout.sequence_parallel, layout.recompute, value_bytes, dropout, model.top_k,
-        layout.fused_attention,
+        layout.fused_attention, model.kv_fraction,
     )  # fmt: skip
     held = per_layer * (layers_of_stage(model.layers, p, stage) if layers is None else layers)
     if stage == 0 and dropout:
@@ -426,7 +437,7 @@ def activation_bytes(model: Model, layout: Layout, stage: int = 0, layers: int |
     if layout.recompute == "full":
         held += activation_bytes_per_layer(
             s, b, h, model.heads, t, layout.sequence_parallel, "none", top_k=model.top_k,
-            fused_attention=layout.fused_attention,
+            fused_attention=layout.fused_attention, kv_fraction=model.kv_fraction,
         )  # fmt: skip
     return held
 
@@ -541,7 +552,7 @@ def ring_attention_seconds(model: Model, cluster: Cluster, layout: Layout) -> fl
         return 0.0
     s, b = model.seq_len, layout.micro_batch
     bandwidth, latency = cluster.link(inside_one_node(t, cp, cluster.gpus_per_node))
-    step_bytes = 2 * 2 * s / cp * b * model.hidden / t  # K and V chunks, 16-bit
+    step_bytes = 2 * 2 * s / cp * b * model.hidden * model.kv_fraction / t  # K and V chunks, 16-bit
     transfer = latency + step_bytes / bandwidth
     rank_attention = attention_flops(model, layout)[1] * (s / cp) * b / t / cluster.matmul_flops  # forward, seconds
     per_step = rank_attention / cp
@@ -672,9 +683,15 @@ def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "mi
     dp_link = cluster.link(inside_one_node(t, replicas, cluster.gpus_per_node))
     expert_link = cluster.link(inside_one_node(t * layout.ep, expert_replicas, cluster.gpus_per_node))
 
-    def gather(nbytes_dense, nbytes_experts):  # one all-gather (or reduce-scatter) of the stage's parameters
-        seconds = all_gather_seconds(nbytes_dense, replicas, *dp_link)
-        return seconds + (all_gather_seconds(nbytes_experts, expert_replicas, *expert_link) if nbytes_experts else 0)
+    # One collective per block (FSDP2's unit; Megatron's gradient buckets are of that order), the embedding and the
+    # head one each: every one pays the ring's (n - 1) latencies, which grow with the dp group.
+    units = layers_here + (busiest == 0) + (busiest == p - 1)
+
+    def gather(nbytes_dense, nbytes_experts):  # all-gathers (or reduce-scatters) of the stage's parameters, per unit
+        seconds = units * all_gather_seconds(nbytes_dense / units, replicas, *dp_link)
+        if nbytes_experts:
+            seconds += layers_here * all_gather_seconds(nbytes_experts / layers_here, expert_replicas, *expert_link)
+        return seconds
 
     one = gather(per["grads"] * dense, per["grads"] * experts)
     first_forward, last_backward = work.forward_s, work.backward_s
