@@ -48,7 +48,8 @@ MTNLG = Model(params=530e9, layers=105, hidden=20480, heads=128, vocab=51200, se
 
 
 def unfused(layout: Layout) -> Layout:
-    return dataclasses.replace(layout, fused_attention=False)
+    """As Megatron-LM ran it for Korthikanti et al.: the scores kept, sequence parallelism re-gathering in backward."""
+    return dataclasses.replace(layout, fused_attention=False, framework="megatron")
 
 
 def test_model_state_is_utils_memory_for_each_stage():
@@ -158,6 +159,29 @@ def test_fused_attention_keeps_no_scores_and_selective_rebuilds_the_cheap_tensor
     assert activation_bytes_per_layer(s, b, h, a, 1, False, "none", 4, False, fused_attention=True) == sbh * 4 * 16
 
 
+def test_torch_keeps_what_dtensor_and_selective_checkpointing_keep():
+    """framework="torch" (what utils/measure_at_scale.py measures, to the byte): sequence parallelism keeps the two
+    norms' gathered outputs whole; selective keeps the input, the output and down projections' partial sums whole,
+    and Q, K, V, the attention output and the up output split. Still full < selective < none."""
+    s, b, h, a, t = 4096, 1, 8192, 64, 8
+    sbh = s * b * h
+
+    def per_layer(recompute, sp, framework):
+        return activation_bytes_per_layer(s, b, h, a, t, sp, recompute, 2, False, fused_attention=True,
+                                          framework=framework)  # fmt: skip
+
+    assert per_layer("none", True, "torch") == 2 * sbh * (2 / t + 2 + 12 / t)
+    assert per_layer("none", True, "megatron") == 2 * sbh * (4 / t + 12 / t)
+    assert per_layer("none", False, "torch") == per_layer("none", False, "megatron") == 2 * sbh * (4 + 12 / t)
+    assert per_layer("selective", True, "torch") == 2 * sbh * (1 / t + 2 + 8 / t)
+    assert per_layer("selective", False, "torch") == 2 * sbh * (3 + 8 / t)
+    for sp in (False, True):
+        full, selective, none = (per_layer(r, sp, "torch") for r in ("full", "selective", "none"))
+        assert full < selective < none
+    with pytest.raises(ValueError, match="framework"):
+        per_layer("none", True, "jax")
+
+
 def test_first_stage_holds_p_microbatches_under_1f1b_and_more_interleaved():
     """Korthikanti et al.'s memory (unfused, TP + SP + their selective): the first of p stages holds p micro-batches
     of its L/p layers, L layers' worth whatever p is; interleaved with v chunks, L (1 + (p-1)/(p v))."""
@@ -183,7 +207,7 @@ def test_first_stage_holds_p_microbatches_under_1f1b_and_more_interleaved():
     rebuilt = sbh * (34 + 80) / 8
     assert activation_bytes(GPT3, full) == pytest.approx(2 * sbh / 8 * 96 + rebuilt + 5 * sbh / 8 + 4 * s * 51200 / 8)
     # A fused kernel adds its fp32 log-sum-exp per head and token on every layer it keeps.
-    fused = Layout(8, 8, 1, micro_batch=1, microbatches=8, recompute="none")
+    fused = Layout(8, 8, 1, micro_batch=1, microbatches=8, recompute="none", framework="megatron")
     lse = 96 * 4 * 96 / 8 * s
     assert activation_bytes(GPT3, fused) == pytest.approx(activation_bytes(GPT3, unfused(single)) + lse)
 
@@ -586,8 +610,12 @@ def test_a_flat_zero3_group_of_thousands_is_not_the_first_choice_at_405b():
     reduce-scatter every block of every micro-batch across 2048 ranks, each collective paying the ring's 2047
     latencies; the planner's first choice is the published layout's shape, tp 8 x pp 16 x dp 128."""
     model = Model(405e9, 126, 16384, 128, 128000, 8192)
-    predictions = plan(model, Cluster.of("H100", 16384), 2048, micro_batches=(1,), virtual_stages=(1, 2, 4))
+    megatron = {"framework": "megatron"}  # Meta's framework is taken to re-gather SP inputs as Megatron-LM does
+    predictions = plan(model, Cluster.of("H100", 16384), 2048, micro_batches=(1,), virtual_stages=(1, 2, 4),
+                       software=megatron)  # fmt: skip
     first = predictions[0].layout
     assert predictions[0].fits and (first.dp, first.tp, first.pp) == (128, 8, 16)
-    flat = predict(model, Cluster.of("H100", 16384), Layout(2048, 8, 1, 1, 1, zero=3, recompute="selective"))
+    flat = predict(
+        model, Cluster.of("H100", 16384), Layout(2048, 8, 1, 1, 1, zero=3, recompute="selective", **megatron)
+    )
     assert flat.dp_exposed_s > predictions[0].bubble_s

@@ -84,6 +84,10 @@ from dataclasses import dataclass, field, replace
 from utils.memory import OPTIMIZER_STATE, PRECISIONS, bytes_per_param, human, model_state_bytes
 
 RECOMPUTE = ("none", "selective", "full")
+FRAMEWORKS = (
+    "torch",
+    "megatron",
+)  # whose sequence parallelism and selective recomputation (activation_bytes_per_layer)
 
 # Memory the planner never fills: the CUDA context, NCCL's buffers and cuBLAS/attention workspaces (a fixed amount),
 # and the caching allocator's fragmentation (a share of the GPU). PyTorch's allocator commonly loses 5-10 % to it.
@@ -230,6 +234,7 @@ class Layout:
     ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts, inside dp x cp
     virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank (1: plain 1F1B)
     fused_attention: bool = True  # a fused attention kernel (no stored scores); False: the s x s scores are kept
+    framework: str = "torch"  # whose sequence parallelism and selective recomputation: torch or megatron
 
     @property
     def gpus(self) -> int:
@@ -296,6 +301,7 @@ def activation_bytes_per_layer(
     top_k: int = 1,
     fused_attention: bool = False,
     kv_fraction: float = 1.0,
+    framework: str = "megatron",
 ) -> float:
     """Bytes one transformer layer keeps for backward, 16-bit activations and 1-byte dropout masks.
 
@@ -314,9 +320,17 @@ def activation_bytes_per_layer(
 
     A fused attention kernel (FlashAttention, PyTorch's scaled_dot_product_attention) keeps no scores at all
     (its fp32 log-sum-exp, a x s x b values, is in omitted_activation_bytes): "none" is the table without the
-    score term, and "selective" recomputes what is cheap to rebuild instead, the two norms and the MLP's activation
-    function (Megatron-Core's --recompute-modules layernorm, torchtitan's op-level policy): it keeps 2 whole values
-    (the norms' inputs) and 8 split ones (Q, K, V, the attention output, the up projection's output).
+    score term, and "selective" recomputes what is cheap to rebuild instead, the norms and the MLP's activation
+    function. How, depends on the framework (utils/measure_at_scale.py measures torch's, to the byte):
+    - "megatron" (the paper's): sequence parallelism keeps each column-parallel matmul's input sharded and
+      all-gathers it again in backward (the /t above); selective (Megatron-Core's --recompute-modules layernorm
+      and the activation function) keeps 2 values that sequence parallelism splits (the norms' inputs) and 8 that
+      TP splits (Q, K, V, the attention output, the up projection's output).
+    - "torch" (the course, torchtitan: DTensor's SequenceParallel and a selective-checkpoint policy that keeps every
+      matmul's output): a column-parallel matmul saves the input it all-gathered, so the two norms' outputs stay
+      whole under sequence parallelism; selective keeps the layer's input (split by sequence parallelism), the output
+      and down projections' outputs (partial sums before their all-reduce or reduce-scatter: whole) and the same 8
+      split values, and replays the norms, the activation function, the residual adds and the collectives.
     value_bytes and dropout restate them for another model: 4 for fp32 (the course's CPU runs), dropout=False for
     the course model (it has none). A MoE layer runs each token through top_k experts: the MLP's input
     (dispatched) and its up and GELU outputs count top_k times (1 of the 4 whole values, 8 of the 12 split ones).
@@ -324,18 +338,23 @@ def activation_bytes_per_layer(
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, not {framework!r}")
     sbh = s * b * h
     split_by_sp = t if sequence_parallel else 1
     if recompute == "full":
         return value_bytes * sbh / split_by_sp
     masks = 2 if dropout else 0
-    if fused_attention and recompute == "selective":  # norms' outputs and the activation function's recomputed
-        whole, split = 2, 2 + 2 * kv_fraction + 4 * top_k
-        return sbh * ((whole * value_bytes + masks) / split_by_sp + split * value_bytes / t)
+    matmul_outputs = 2 + 2 * kv_fraction + 4 * top_k  # Q, K, V, the attention output, the up projection's output
+    if fused_attention and recompute == "selective":  # the norms and the activation function recomputed
+        if framework == "torch":  # the input, and the output and down projections' partial sums, kept
+            return sbh * value_bytes * (1 / split_by_sp + 1 + top_k + matmul_outputs / t)
+        return sbh * ((2 * value_bytes + masks) / split_by_sp + matmul_outputs * value_bytes / t)
     kept_scores = not fused_attention and recompute == "none"
     scores = a * s * s * b * (value_bytes * (1 + dropout) + dropout) / t if kept_scores else 0
-    whole, split = 3 + top_k, 2 + 2 * kv_fraction + 8 * top_k
-    return sbh * ((whole * value_bytes + masks) / split_by_sp + split * value_bytes / t) + scores
+    split = matmul_outputs + 4 * top_k  # and the activation function's output
+    norm_outputs = (1 + top_k) * value_bytes / (1 if framework == "torch" else split_by_sp)  # QKV's and the MLP's input
+    return sbh * ((2 * value_bytes + masks) / split_by_sp + norm_outputs + split * value_bytes / t) + scores
 
 
 def layers_of_stage(layers: int, pp: int, stage: int) -> int:
@@ -377,7 +396,7 @@ def stage_activation_bytes(
     split_by_sp = t if layout.sequence_parallel else 1
     per_layer = activation_bytes_per_layer(
         s, b, h, model.heads, t, layout.sequence_parallel, layout.recompute, value_bytes, dropout, model.top_k,
-        layout.fused_attention, model.kv_fraction,
+        layout.fused_attention, model.kv_fraction, layout.framework,
     )  # fmt: skip
     held = per_layer * (layers_of_stage(model.layers, p, stage) if layers is None else layers)
     if stage == 0 and dropout:
@@ -437,7 +456,7 @@ def activation_bytes(model: Model, layout: Layout, stage: int = 0, layers: int |
     if layout.recompute == "full":
         held += activation_bytes_per_layer(
             s, b, h, model.heads, t, layout.sequence_parallel, "none", top_k=model.top_k,
-            fused_attention=layout.fused_attention, kv_fraction=model.kv_fraction,
+            fused_attention=layout.fused_attention, kv_fraction=model.kv_fraction, framework=layout.framework,
         )  # fmt: skip
     return held
 
@@ -497,7 +516,9 @@ def rank_model_state(model: Model, layout: Layout, stage: int, precision: str = 
     """utils/memory.py's ZeRO rule for the parameters one rank of stage `stage` holds (rank_parameter_shapes), over
     its dp group, at rest (between steps). Sharded state is padded as FSDP2 pads it: each tensor's first dimension
     to a multiple of dp. The bytes each rank of lesson 06's runs holds, exactly: ZeRO-0 from scratch, ZeRO-3 built
-    in (FSDP2)."""
+    in (FSDP2); at real size, the bytes of the rank with the largest shards (utils/measure_at_scale.py: FSDP2 keeps
+    every rank's parameters and gradients in padded buffers, but torch allocates an optimizer's moments like the
+    unpadded local shard, so a last rank whose rows run out holds less optimizer state)."""
     shapes = rank_parameter_shapes(model, layout.tp, layout.pp, stage)
     count = sum(math.prod(shape) for shape in shapes)
     padded = sum(-(-shape[0] // layout.dp) * layout.dp * math.prod(shape[1:]) for shape in shapes)
@@ -760,6 +781,8 @@ def check_layout(model: Model, cluster: Cluster, layout: Layout, global_batch: i
         )
     if layout.recompute not in RECOMPUTE:
         return f"unknown recomputation ({layout.recompute!r}, not one of {RECOMPUTE})"
+    if layout.framework not in FRAMEWORKS:
+        return f"unknown framework ({layout.framework!r}, not one of {FRAMEWORKS})"
     return None
 
 
@@ -789,10 +812,12 @@ def enumerate_layouts(
     cps=(1,),
     eps=(1,),
     virtual_stages=(1,),
+    software: dict | None = None,
 ):
     """Every (tp, pp, cp, dp) whose product is the GPU count for each cp of `cps`, with each ep of `eps`, micro-batch
     size, ZeRO stage, recomputation and number of virtual stages (v > 1 only where pp > 1). A cp that does not divide
-    the GPUs left by tp x pp is skipped."""
+    the GPUs left by tp x pp is skipped. software: Layout fields every layout gets, e.g. {"framework": "megatron",
+    "fused_attention": False}."""
     for tp, pp in itertools.product(divisors(cluster.gpus), repeat=2):
         if cluster.gpus % (tp * pp):
             continue
@@ -803,7 +828,7 @@ def enumerate_layouts(
             vs = sorted({v for v in virtual_stages if v == 1 or pp > 1})
             for ep, b, zero, recompute, v in itertools.product(eps, micro_batches, range(4), RECOMPUTE, vs):
                 m = global_batch // (dp * b)  # 0 or a remainder: check_layout says the batch does not split
-                yield Layout(dp, tp, pp, b, m, zero, recompute, sequence_parallel, cp, ep, v)
+                yield Layout(dp, tp, pp, b, m, zero, recompute, sequence_parallel, cp, ep, v, **(software or {}))
 
 
 def plan(
@@ -815,12 +840,15 @@ def plan(
     cps=(1,),
     eps=(1,),
     virtual_stages=(1,),
+    software: dict | None = None,
     **state,
 ):
     """Every layout evaluated: those that run first, fastest first (the smaller memory first among equals), then
-    the refused ones. cps, eps, virtual_stages: the sizes to consider. state: precision and optimizer, as
-    utils/memory.py takes them."""
-    layouts = enumerate_layouts(cluster, global_batch, micro_batches, sequence_parallel, cps, eps, virtual_stages)
+    the refused ones. cps, eps, virtual_stages: the sizes to consider; software: Layout fields for every layout
+    (enumerate_layouts). state: precision and optimizer, as utils/memory.py takes them."""
+    layouts = enumerate_layouts(
+        cluster, global_batch, micro_batches, sequence_parallel, cps, eps, virtual_stages, software
+    )
     predictions = [evaluate(model, cluster, layout, global_batch, **state) for layout in layouts]
     return sorted(predictions, key=lambda pred: (not pred.fits, -round(pred.tokens_per_s, 6), pred.memory))
 

@@ -156,7 +156,7 @@ def variants(entry: dict, run: dict) -> list[Layout]:
     )
     recompute = [run["recompute"]] if run.get("recompute") else ("none", "selective", "full")
     fixed = dict(zero=run["zero"], sequence_parallel=run["sequence_parallel"], cp=entry.get("cp", 1),
-                 ep=entry.get("ep", 1), fused_attention=run["fused_attention"])  # fmt: skip
+                 ep=entry.get("ep", 1), fused_attention=run["fused_attention"], framework=run["framework"])  # fmt: skip
     return [
         Layout(dp, entry["tp"], pp, b, batch // (dp * b), recompute=r, virtual_stages=v, **fixed)
         for b, v, r in itertools.product(micro, virtual, recompute)
@@ -198,7 +198,7 @@ def rank_of(entry: dict, run: dict, model: Model, cluster: Cluster) -> tuple[int
     cp, ep = entry.get("cp", 1), entry.get("ep", 1)
     ranked = plan(
         model, cluster, entry["global_batch"], MICRO_BATCHES, run["sequence_parallel"], powers_of_two_to(cp),
-        powers_of_two_to(ep), PLAN_VIRTUAL_STAGES,
+        powers_of_two_to(ep), PLAN_VIRTUAL_STAGES, {"framework": run.get("framework", "torch")},
     )  # fmt: skip
     runnable = [pred for pred in ranked if pred.fits]
     dims = (entry["dp"], entry["tp"], entry["pp"], cp)
