@@ -4,8 +4,11 @@ The world's ranks form a grid pp x dp x tp. Each rank has coordinates (its pipel
 replica, its tensor-parallel shard) and belongs to one process group per dimension: the TP group (the ranks that
 split each layer of one stage), the DP group (the ranks holding the same shard of the same stage in different
 replicas) and the PP group (the stages of one replica's pipeline). TP is innermost: ranks 0..tp-1 are one TP
-group, on one node, where the links are fastest (a TP all-reduce runs in every layer); PP is outermost, so only
-the pipeline's activations cross nodes.
+group, on one node, where the links are fastest, because its all-reduces come several times in every layer, each
+between two matrix products that wait for it. PP and DP communicate far less often and can overlap their traffic
+with compute (a micro-batch's send with the next one's compute, the gradients' reduction with the backward), so
+they are the ones that cross nodes. Here PP is outermost, as in Megatron-LM and torchtitan; Llama 3 put DP
+outermost instead (its gradient reduction comes once a step and tolerates the longest links).
 
 From scratch, the pieces are the course's own: lesson 04's column- and row-parallel layers on the TP group,
 lesson 05's stages, schedules and point-to-point exchange between the pipeline neighbours of the grid, and
@@ -18,9 +21,9 @@ dp x --batch-size sequences (compare with lesson 00).
     torchrun --nproc_per_node=8 solutions/06_3d_parallelism.py --tp 2 --pp 2 --impl builtin --schedule gpipe
     torchrun --nproc_per_node=4 solutions/06_3d_parallelism.py --tp 2 --pp 1                           # dp = 2
     sbatch slurm/06_3d_parallelism_2nodes.sbatch solutions       # the pipeline across 2 nodes, TP inside each
+    COURSE_TIMELINE=step.json torchrun ...    # from scratch: also the last step's timeline (utils/lesson06_timeline.py)
 """
 
-import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -32,10 +35,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
-from utils.grid import SavedActivations, describe_placements, full_parameters, local_numel, output_not_a_view
+from utils.grid import describe_placements, full_parameters, local_numel, measure_step, output_not_a_view
+from utils.lesson06_timeline import StepTimeline
 from utils.lessons import lesson
 from utils.metrics import state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
@@ -182,6 +187,31 @@ def average_gradients(parameters, group):
     # END SOLUTION
 
 
+def global_gradient_norm(stage, place: dict[str, int]) -> torch.Tensor:
+    """The norm of the whole model's gradient, equal on every rank: what clip_grad_norm_ returns on one process
+    (clipping then scales every rank's gradients by the same min(1, max_norm / norm)).
+
+    Each element of the gradient must be counted once in the world. A rank adds the squares of its own piece of
+    each parameter: a TP shard (lesson 04's tp_dim, or a DTensor sharded over "tp") on every TP rank, a parameter
+    TP leaves whole (norms, row-parallel biases, embeddings, head) on TP rank 0 only; the DP replicas of a piece
+    are copies (from scratch, after the average) and count on DP rank 0 only, FSDP2's DP shards on every DP rank.
+    One all-reduce over the world then sums the stages and the shards: the same as summing over the TP, PP and (for
+    FSDP2's shards) DP groups, as every copy but one adds zero."""
+    squares = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
+    for p in stage.parameters():
+        if p.grad is None:
+            continue
+        copies = {"dp", "tp"} - ({"tp"} if hasattr(p, "tp_dim") else set())  # dimensions it is replicated over
+        if isinstance(p.grad, DTensor):  # built in: a placement per dimension of its mesh (FSDP2's and TP's)
+            names = p.grad.device_mesh.mesh_dim_names
+            copies -= {dim for dim, placement in zip(names, p.grad.placements) if not placement.is_replicate()}
+        if all(place[dim] == 0 for dim in copies):  # one copy of each replicated piece
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            squares += local.double().pow(2).sum()
+    dist.all_reduce(squares)
+    return squares.sqrt()
+
+
 def build_scratch(args, grid: Grid, device: torch.device):
     """This rank's stage: the whole model built from the seed, its projections sharded over the TP group with
     lesson 04's layers, then cut to this rank's pipeline stage with lesson 05's build_stage."""
@@ -224,18 +254,25 @@ def pipeline_step(stage, grid: Grid, steps, inputs, targets, n_microbatches: int
 
 
 def parallelize_builtin(model, mesh, stage_index: int):
-    """Lesson 04's apply_tensor_parallel on the TP sub-mesh, lesson 05's stage, FSDP2 over the DP sub-mesh."""
+    """Lesson 04's apply_tensor_parallel on the TP sub-mesh, lesson 05's stage, FSDP2 over the DP sub-mesh.
+
+    Under a pipeline, torch's schedules hold each stage's gradients whole until the last micro-batch's backward and
+    reduce-scatter them once (PipelineStage turns FSDP2's gradient sync off until then, and keeps the parameters
+    gathered after each backward). A block that reshards after forward would all-gather its parameters again before
+    every micro-batch's forward: m + 1 all-gathers a step instead of one, to free memory only between a forward and
+    its backward. Hence, as torchtitan does, no resharding after forward when the pipeline has more than one stage."""
     # TODO 7: the built-in composition. Apply lesson 04's tensor_parallel.apply_tensor_parallel(model, mesh["tp"])
     #   to the whole model; cut this rank's stage with pipeline.build_stage(model, stage_index, mesh["pp"].size());
-    #   then fully_shard(block, mesh=mesh["dp"]) for each of the stage's blocks (stage.blocks.values()), one
-    #   all-gather per block in forward, and last fully_shard(stage, mesh=mesh["dp"]) for what is left (the
-    #   embeddings, the final norm, the head). Return the stage.
+    #   then fully_shard(block, mesh=mesh["dp"], reshard_after_forward=...) for each of the stage's blocks
+    #   (stage.blocks.values()), resharding only when there is one pipeline stage, and last
+    #   fully_shard(stage, mesh=mesh["dp"]) for what is left (the embeddings, the final norm, the head). Return it.
     # BEGIN SOLUTION
     tensor_parallel.apply_tensor_parallel(model, mesh["tp"])
     stage = pipeline.build_stage(model, stage_index, mesh["pp"].size())
+    one_stage = mesh["pp"].size() == 1  # else each block would be gathered again for every micro-batch
     for block in stage.blocks.values():
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(stage, mesh=mesh["dp"])
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=one_stage)
+    fully_shard(stage, mesh=mesh["dp"])  # the root: FSDP2 keeps its parameters from forward to backward anyway
     return stage
     # END SOLUTION
 
@@ -282,6 +319,7 @@ def main():
     parser.add_argument("--microbatches", type=positive_int, default=2, help="micro-batches per --batch-size batch")
     args = parse_args(parser)
     layout = check_layout(args, int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1))))
+    timeline = StepTimeline.requested(args)  # COURSE_TIMELINE=FILE: the last step's timeline (utils), else nothing
     local_rank, rank, device, world_size = setup(args.seed)
     place = coordinates(rank, layout)
     everyone = [coordinates(r, layout) for r in range(world_size)]
@@ -321,16 +359,17 @@ def main():
     )
     shape = (args.batch_size // args.microbatches, args.seq_len, args.dim)  # what travels between stages
     logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
-    losses, activation_bytes = [], None  # activation_bytes: per micro-batch, in the last step (None: not measured)
+    losses, grad_norms = [], []
+    activation_bytes = collectives = None  # per micro-batch / per rank, in the last step (None: not measured)
     for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(loader)):
         inputs, targets = inputs.to(device), targets.to(device)
         optimizer.zero_grad(set_to_none=True)
         dist.barrier()  # with NCCL, a collective before the first batch_isend_irecv lets it involve some ranks only
         mine, theirs = replica_batch(inputs, grid), replica_batch(targets, grid)
-        # The last step's forwards through the saved-tensor hooks: what this rank keeps for backward. Never the
+        # The last step: what this rank keeps for backward and the collectives it runs (utils/grid.py). Never the
         # built-in's first step: its schedule then also runs the stage once to learn the shapes it exchanges.
         measured = step == args.steps and (step > 1 or args.impl == "scratch")
-        with SavedActivations() if measured else contextlib.nullcontext() as saved:
+        with measure_step(measured, count_collectives=not timeline) as seen, timeline.record(step == args.steps, grid):
             if args.impl == "scratch":
                 loss = pipeline_step(stage, grid, steps, mine, theirs, args.microbatches, shape, device)
                 average_gradients(stage.parameters(), dp_group)
@@ -341,16 +380,18 @@ def main():
                 )  # FSDP2 averages the gradients over the DP sub-mesh in its reduce-scatter
                 loss = torch.stack(kept).mean() if stage.last else torch.zeros((), device=device)
         if measured:
-            activation_bytes = saved.bytes // args.microbatches  # the micro-batches are the same size
+            activation_bytes = seen.activation_bytes // args.microbatches  # the micro-batches are the same size
+            collectives = seen.collectives
+        grad_norms.append(float(global_gradient_norm(stage, place)))
         optimizer.step()
         # Every TP shard of every replica's last stage holds its replica's loss: their mean is the global batch's.
         loss = loss / (layout.dp * layout.tp) if stage.last else loss
         dist.all_reduce(loss)
         losses.append(loss.item())
         throughput.step(inputs.numel())
-        logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)
+        logger.log(step, loss=losses[-1], grad_norm=grad_norms[-1], tokens_per_s=throughput.tokens_per_s)
         if step % args.log_every == 0 or step == args.steps:
-            print0(f"step {step:4d}  loss {losses[-1]:.4f}")
+            print0(f"step {step:4d}  loss {losses[-1]:.4f}  gradient norm {grad_norms[-1]:.4f}")
     logger.close()
 
     full, checksum = full_parameters(stage, tp_group, shapes, keep=place["dp"] == 0 and place["tp"] == 0)
@@ -361,6 +402,8 @@ def main():
     dist.all_gather_object(held, state_bytes(stage, optimizer))
     activations: list = [None] * world_size  # bytes one micro-batch's forward saves for backward, per rank
     dist.all_gather_object(activations, activation_bytes)
+    counted: list = [None] * world_size  # the last step's collectives, per rank: {kind: [calls, bytes]}
+    dist.all_gather_object(counted, collectives)
     params_per_rank: list = [None] * world_size  # the parameters each rank holds (its shard of its stage)
     dist.all_gather_object(params_per_rank, local_numel(stage))
     fsdp = [name for name, module in stage.named_modules() if type(module).__name__.startswith("FSDP")]
@@ -378,9 +421,12 @@ def main():
         microbatches=args.microbatches,
         bytes_per_rank=held,
         activation_bytes_per_rank=activations,
+        collectives_last_step=counted,
+        grad_norms=grad_norms,
         params_per_rank=params_per_rank,
         impl=args.impl,
         schedule=args.schedule,
+        device=device.type,  # utils/report.py counts processes, not GPUs, where every run says "cpu"
         optimizer=args.optimizer,
         dataset=args.dataset,
         partition=pipeline.partition(args.n_layers, layout.pp),

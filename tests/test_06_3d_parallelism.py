@@ -5,13 +5,16 @@ pytest tests/test_06_3d_parallelism.py --target exercises   # your exercise (mak
 
 The reference is never the learner's own code: the grid (TODOs 1-5) is checked in pure Python against a tensor
 of ranks reshaped to (pp, dp, tp); the DP average (TODO 6) on 4 ranks against the mean computed without
-communication; the runs against lesson 00's solution on one process (the same global batches, the same seed).
+communication; the runs against lesson 00's solution on one process (the same global batches, the same seed);
+FSDP2 under the pipeline (TODO 7) by the all-gathers each rank ran in one step (utils/collective_counter.py).
 A test that needs earlier TODOs is skipped, naming them, until their own tests pass. The 3D runs are launched
-once each and shared; no test asserts on a timing.
+once each and shared; one of them also records its last step's timeline (COURSE_TIMELINE); no test asserts on a
+timing, only on the order of what the timeline shows.
 """
 
 import argparse
 import importlib.util
+import json
 import re
 
 import pytest
@@ -19,8 +22,9 @@ import torch
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext
-from utils import planner
+from utils import lesson06_timeline, planner
 from utils.distributed_utils import CourseError
+from utils.grid import reference_gradient_norms
 from utils.make_exercises import make_exercise
 from utils.model import ModelConfig
 
@@ -48,6 +52,7 @@ RUNS = {  # name: (processes, arguments); (pp, dp, tp) in the name
     "builtin_122_1f1b": (4, ["--tp", "2", "--pp", "1", "--batch-size", "4", "--impl", "builtin"]),  # one stage
     "builtin_212_1f1b": (4, ["--tp", "2", "--pp", "2", "--batch-size", "8", "--impl", "builtin"]),  # FSDP over 1 rank
 }  # fmt: skip
+TIMELINE_RUN = "scratch_222_1f1b"  # also writes its last step's timeline (utils/lesson06_timeline.py)
 SCRATCH = [name for name in RUNS if name.startswith("scratch")]
 BUILTIN = [name for name in RUNS if name.startswith("builtin")]
 ENV = course_env(PYTHONPATH=ROOT)  # `import utils` also for a script in another folder (--target-dir)
@@ -85,7 +90,8 @@ def run(lesson, tmp_path_factory):
             folder = tmp / name
             folder.mkdir()
             args = [*COMMON, *extra, "--log-dir", folder / "runs", "--checkpoint", folder / "model.pt"]
-            done[name] = torchrun(lesson("06"), nproc, args, tmp_path=folder, env=ENV, timeout=300), folder
+            env = {**ENV, lesson06_timeline.ENV: str(folder / "timeline.json")} if name == TIMELINE_RUN else ENV
+            done[name] = torchrun(lesson("06"), nproc, args, tmp_path=folder, env=env, timeout=300), folder
         return done[name]
 
     return launch
@@ -349,6 +355,12 @@ def test_todo6_scratch_3d_matches_lesson_00(run, baseline, needs, script, lesson
     check_parity(6, name, run, baseline)
 
 
+def fsdp_units(metrics, stage: int) -> int:
+    """The FSDP2 modules of a stage's ranks: each block of the stage, and the stage itself (the root)."""
+    first, end = metrics["partition"][stage]
+    return end - first + 1
+
+
 @pytest.mark.parametrize("name", BUILTIN)
 def test_todo7_builtin_3d_matches_lesson_00(run, baseline, needs, name):
     needs(1, 4)  # the built-in path reads each replica's share with replica_batch (TODO 4) too
@@ -363,6 +375,99 @@ def test_todo7_builtin_3d_matches_lesson_00(run, baseline, needs, name):
     placements = metrics["placements"][f"blocks.{stages[0][0]}.attention.q_proj.weight"]
     assert "tp: S(0)" in placements or layout["tp"] == 1, f"TODO 7: q_proj is not sharded over tp: {placements}"
     assert any(p.startswith("dp: ") and "S(0" in p for p in placements), f"TODO 7: not sharded over dp: {placements}"
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_todo7_fsdp_under_a_pipeline_gathers_each_block_once_a_step(run, needs, name):
+    """torch's pipelining holds the gradients whole until the last micro-batch's backward, then reduce-scatters
+    each FSDP unit once. With more than one stage the blocks must keep their parameters from forward to backward
+    (reshard_after_forward=False): one all-gather per unit a step, whatever the micro-batches. With one stage they
+    reshard after forward (FSDP's default, ZeRO-3's memory) and are gathered again. Counted in the last step."""
+    needs(1, 4)
+    metrics = finished(run(name)[0], 7)
+    pp, dp, microbatches = metrics["layout"]["pp"], metrics["layout"]["dp"], metrics["microbatches"]
+    for rank, (place, seen) in enumerate(zip(metrics["coordinates"], metrics["collectives_last_step"])):
+        units = fsdp_units(metrics, place["pp"]) if dp > 1 else 0  # FSDP2 over one rank communicates nothing
+        gathers, scatters = (seen.get(kind, [0])[0] for kind in ("all_gather", "reduce_scatter"))
+        assert scatters == units, f"{name} rank {rank}: {scatters} reduce-scatters in a step for {units} FSDP units"
+        if pp > 1:
+            assert gathers == units, (
+                f"TODO 7: {name} rank {rank} ran {gathers} all-gathers in one step of {microbatches} micro-batches "
+                f"for its {units} FSDP units: under a pipeline (--pp {pp}) each block must keep its parameters "
+                "after forward (fully_shard(..., reshard_after_forward=False)), gathered once a step"
+            )
+        else:
+            assert gathers > units, (
+                f"TODO 7: {name} rank {rank} gathered its {units} FSDP units only once in a step with one pipeline "
+                "stage: there the blocks reshard after forward (reshard_after_forward=True) to free their memory"
+            )
+
+
+def test_global_gradient_norm_is_one_process_clip_grad_norm(run, baseline, needs):
+    """Every run's gradient norm at every step (global_gradient_norm: each piece of the gradient counted once in
+    the grid) equals clip_grad_norm_'s total norm on one process, on lesson 00's batches."""
+    needs(1, 2, 3, 4, 5)
+    values = dict(zip(COMMON[::2], COMMON[1::2]))
+    sizes = {name: int(values[f"--{name.replace('_', '-')}"]) for name in ("dim", "n_layers", "n_heads", "seq_len")}
+    config = ModelConfig(**sizes)
+    norms, checksum = reference_gradient_norms(config, GLOBAL_BATCH, int(values["--steps"]))
+    assert checksum == pytest.approx(baseline[0]["param_checksum"], rel=1e-9), "the reference is not lesson 00's run"
+    for name in RUNS:
+        metrics = finished(run(name)[0], 6 if name in SCRATCH else 7)
+        assert metrics["grad_norms"] == pytest.approx(norms, rel=1e-6), (
+            f"{name}: gradient norms {metrics['grad_norms']}, one process's clip_grad_norm_ {norms}"
+        )
+
+
+def test_timeline_of_one_step_shows_where_each_dimension_communicates(run, needs, tmp_path):
+    """The recorded step of a (2, 2, 2) 1F1B run: TP all-reduces inside compute (4 a layer a micro-batch), the
+    pipeline's sends and receives between two computations and with the other stage only, one DP all-reduce after
+    the last backward, on every rank; and a figure of it."""
+    needs(1, 2, 3, 4, 5)
+    result, folder = run(TIMELINE_RUN)
+    metrics = finished(result, 6)
+    timeline = lesson06_timeline.read(folder / "timeline.json")
+    assert [rank["rank"] for rank in timeline["ranks"]] == list(range(metrics["world_size"]))
+    for rank in timeline["ranks"]:
+        compute, stage = lesson06_timeline.events(rank, "F", "B"), rank["coords"]["pp"]
+        tp, pp, dp = (lesson06_timeline.events(rank, kind) for kind in ("tp", "pp", "dp"))
+        layers = metrics["partition"][stage][1] - metrics["partition"][stage][0]
+        assert len(compute) == 2 * metrics["microbatches"] and not lesson06_timeline.events(rank, "world"), rank
+        assert len(tp) == 4 * layers * metrics["microbatches"], f"rank {rank['rank']}: {len(tp)} TP all-reduces"
+        assert all(lesson06_timeline.inside(event, compute) for event in tp), f"rank {rank['rank']}: TP outside"
+        assert pp and not any(lesson06_timeline.overlaps(event, compute) for event in pp), rank["rank"]
+        peers = {peer for event in pp for peer in event["sends"] + event["receives"]}
+        assert peers == {rank["rank"] + (4 if stage == 0 else -4)}, f"rank {rank['rank']} exchanged with {peers}"
+        last_backward = max(event["end"] for event in compute if event["kind"] == "B")
+        assert len(dp) == 1 and dp[0]["start"] >= last_backward, f"rank {rank['rank']}: DP all-reduces {dp}"
+    figure = lesson06_timeline.draw(timeline, "a (2, 2, 2) step")
+    ax = figure.axes[0]
+    texts = [ax.title, ax.xaxis.label, *ax.get_yticklabels(), *ax.get_legend().get_texts()]
+    assert "(ms)" in ax.get_xlabel() and min(text.get_fontsize() for text in texts) >= 10
+    figure.savefig(tmp_path / "timeline.png")
+
+
+def test_timeline_is_refused_where_it_cannot_record(monkeypatch, tmp_path, lesson):
+    """COURSE_TIMELINE: unset records nothing; set, it must name a file in an existing folder, on a from-scratch
+    run; anything else ends the script with one line before any process waits."""
+    args = argparse.Namespace(impl="scratch")
+    monkeypatch.delenv(lesson06_timeline.ENV, raising=False)
+    assert not lesson06_timeline.StepTimeline.requested(args)
+    for value, impl, words in [
+        ("", "scratch", "set but empty"),
+        (str(tmp_path / "step.json"), "builtin", "--impl scratch"),
+        (str(tmp_path), "scratch", "name a file in an existing folder"),
+        (str(tmp_path / "missing" / "step.json"), "scratch", "name a file in an existing folder"),
+    ]:
+        monkeypatch.setenv(lesson06_timeline.ENV, value)
+        with pytest.raises(CourseError, match=re.escape(words)):
+            lesson06_timeline.StepTimeline.requested(argparse.Namespace(impl=impl))
+    monkeypatch.setenv(lesson06_timeline.ENV, str(tmp_path / "step.json"))
+    assert lesson06_timeline.StepTimeline.requested(args).path == tmp_path / "step.json"
+    env = {**ENV, lesson06_timeline.ENV: str(tmp_path / "step.json")}
+    result = python(lesson("06"), [*COMMON, "--impl", "builtin", "--log-dir", tmp_path / "runs"], env=env, timeout=90)
+    errors = [line for line in result.output.splitlines() if "ERROR:" in line]
+    assert result.returncode == 2 and len(errors) == 1 and "--impl scratch" in errors[0], result.tail()
 
 
 def test_options_reach_the_run(run, needs):
@@ -437,8 +542,9 @@ def test_activation_bytes_are_the_planners(run, needs, name):
     once: utils.grid.SavedActivations) equals utils/planner.py's prediction for its stage, to the byte.
 
     The prediction is Korthikanti et al.'s Table 2 per layer and section 4.3 per stage, restated for this model:
-    fp32 values (4 bytes), no dropout, the head not split over tp, and recompute="selective" because
-    scaled_dot_product_attention's fused CPU kernel keeps no attention scores; plus what that formula leaves out,
+    fp32 values (4 bytes), no dropout, the head not split over tp, no recomputation and a fused attention kernel
+    (the layout's default: scaled_dot_product_attention's CPU kernel keeps no attention scores); plus what that
+    formula leaves out,
     computed term by term (planner.omitted_activation_bytes: the norms' statistics, the log-sum-exp, the token ids,
     positions and targets). Every saved tensor is one of these terms, so the tolerance is zero bytes: a saved
     tensor more or less (a copy, a view saved twice, a stage that keeps another's input) fails the test."""
@@ -448,7 +554,7 @@ def test_activation_bytes_are_the_planners(run, needs, name):
     model = planner_model()
     shape = metrics["layout"]
     layout = planner.Layout(
-        shape["dp"], shape["tp"], shape["pp"], metrics["micro_batch"], metrics["microbatches"], 0, "selective", False
+        shape["dp"], shape["tp"], shape["pp"], metrics["micro_batch"], metrics["microbatches"], 0, "none", False
     )
     for rank, (place, measured) in enumerate(zip(metrics["coordinates"], metrics["activation_bytes_per_rank"])):
         formula = planner.stage_activation_bytes(model, layout, place["pp"], value_bytes=4, dropout=False,
@@ -488,3 +594,36 @@ def test_shared_options_change_the_run(lesson, tmp_path):
     result = python(lesson("06"), args, timeout=180, env=ENV)
     finished(result, 6)
     check_shared_options(result, order="generator")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The scaling report as section 5 uses it: processes on a CPU, one baseline for every layout
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_scaling_report_counts_processes_against_one_baseline(run, needs, tmp_path):
+    """On a CPU the world size counts processes (every lesson 06 run records its device); with baseline "smallest"
+    every layout's speed-up and efficiency are against the 1-process run, and the figure draws one linear line."""
+    from utils import report
+
+    needs(1, 2, 3, 4, 5)
+    assert report.world_unit([finished(run("scratch_122_1f1b")[0], 6)]) == "processes"
+    assert report.world_unit([{"device": "cpu"}, {"device": "cuda"}]) == "GPUs"
+    for gpus, speed, tp in ((1, 1000.0, 1), (2, 1600.0, 1), (4, 2000.0, 1), (2, 800.0, 2), (4, 1200.0, 2)):
+        record = {"world_size": gpus, "tokens_per_s": speed, "device": "cpu", "layout": {"dp": gpus // tp, "tp": tp}}
+        (tmp_path / f"run_{gpus}_{tp}.json").write_text(json.dumps(record))
+    runs = report.read_runs(tmp_path)
+    common = {(row["layout"], row["gpus"]): row for row in report.scaling_rows(runs, baseline="smallest")}
+    own = {(row["layout"], row["gpus"]): row for row in report.scaling_rows(runs)}
+    assert {row["base_gpus"] for row in common.values()} == {1}
+    assert common["tp=2", 2]["efficiency"] == pytest.approx(800 / 1000 / 2) and own["tp=2", 2]["efficiency"] == 1.0
+    figure = report.figure(list(common.values()), "two layouts", unit="processes")
+    speed_ax = figure.axes[0]
+    assert speed_ax.get_xlabel().startswith("processes") and "processes" in report.table(
+        list(common.values()), "processes"
+    )
+    lines = [text.get_text() for text in speed_ax.get_legend().get_texts() if "linear" in text.get_text()]
+    assert lines == ["linear scaling from 1 process"], lines
+    (tmp_path / "run_1_2.json").write_text(json.dumps({"world_size": 1, "tokens_per_s": 900.0, "tp": 2}))
+    with pytest.raises(ValueError, match="2 layouts ran at the smallest world size 1"):
+        report.scaling_rows(report.read_runs(tmp_path), baseline="smallest")

@@ -54,6 +54,10 @@ def test_the_sweep_fills_one_folder_and_reports_it(cluster, target, request):
         rows = scaling_rows(read_runs(runs_dir))
         assert [row["gpus"] for row in rows] == [1, 2, 4] and rows[-1]["nodes"] == len(hosts) == 2
         assert "efficiency" in output and f"figure: {runs_dir / 'scaling.png'}" in output, story
+        # The test cluster's ranks are processes on CPUs (each metrics file says "cpu"): the report counts processes.
+        assert all(json.loads(path.read_text())["device"] == "cpu" for path in runs_dir.glob("gpus_*.json"))
+        header = next(line for line in output.splitlines() if line.rstrip().endswith("efficiency"))
+        assert "processes" in header and "GPUs" not in header, f"{header}. {story}"
         assert (runs_dir / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
         cancel(job)  # only does something for a job this test left running

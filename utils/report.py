@@ -8,8 +8,11 @@ Each metrics file is the JSON every lesson script writes with --metrics-out (uti
 tokens_per_s (all ranks together), hosts, and the layout that produced it, either as a "layout" object or as
 top-level fields (tp, pp, impl, schedule, ...). Runs with the same layout fields form one curve; dp is left out
 of the name, because it is what grows with the GPUs. Repeated runs of one layout and world size count by their
-median. Speed-up and efficiency are against the smallest world size of the same layout:
+median. Speed-up and efficiency are against the smallest world size of the same layout, or with
+--baseline smallest against the smallest run of all (one baseline for every curve, e.g. the 1-process run):
     speed-up(n) = tokens/s(n) / tokens/s(n0)        efficiency(n) = speed-up(n) / (n / n0)
+The world size is counted in GPUs, or in processes where every run says it ran on a CPU ("device": "cpu"):
+processes that share a CPU's cores and memory are not GPUs, and their curve is not a GPU cluster's.
 --compare A B puts two curves side by side (two layouts, or two implementations of one): A and B each select the
 one layout whose name holds all their key=value words ("impl=scratch", "tp=2 pp=2"); the table gives, at every
 world size both ran, each one's tokens/s and efficiency and B's throughput over A's.
@@ -21,6 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
+SINGULAR = {"GPUs": "GPU", "processes": "process"}
 LAYOUT_KEYS = ("impl", "schedule", "tp", "pp", "microbatches", "ddp", "zero")
 
 
@@ -44,16 +48,29 @@ def layout_name(record: dict) -> str:
     return " ".join(f"{key}={fields[key]}" for key in LAYOUT_KEYS if key in fields) or "all runs"
 
 
-def scaling_rows(runs: list[dict]) -> list[dict]:
-    """One row per (layout, world size): median tokens/s, runs, nodes, speed-up and efficiency."""
+def scaling_rows(runs: list[dict], baseline: str = "own") -> list[dict]:
+    """One row per (layout, world size): median tokens/s, runs, nodes, speed-up and efficiency.
+
+    baseline "own": each layout against its own smallest world size; "smallest": every layout against the smallest
+    run of all (ValueError when several layouts ran at that size: which one would be the baseline?)."""
     groups = {}
     for record in runs:
         groups.setdefault(layout_name(record), {}).setdefault(int(record["world_size"]), []).append(record)
+    common = None
+    if baseline == "smallest":
+        size = min(n for by_size in groups.values() for n in by_size)
+        names = sorted(name for name, by_size in groups.items() if size in by_size)
+        if len(names) > 1:
+            raise ValueError(f"{len(names)} layouts ran at the smallest world size {size} ({'; '.join(names)})")
+        common = size, statistics.median(r["tokens_per_s"] for r in groups[names[0]][size])
+    elif baseline != "own":
+        raise ValueError(f"baseline {baseline!r}: 'own' or 'smallest'")
     rows = []
     for name in sorted(groups):
         by_size = groups[name]
         base_gpus = min(by_size)
         base_speed = statistics.median(r["tokens_per_s"] for r in by_size[base_gpus])
+        base_gpus, base_speed = common or (base_gpus, base_speed)
         for gpus in sorted(by_size):
             speed = statistics.median(r["tokens_per_s"] for r in by_size[gpus])
             speedup = speed / base_speed
@@ -68,17 +85,23 @@ def scaling_rows(runs: list[dict]) -> list[dict]:
                     "speedup": speedup,
                     "efficiency": speedup / (gpus / base_gpus),
                     "base_gpus": base_gpus,
+                    "base_tokens_per_s": base_speed,
                 }
             )
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def world_unit(runs: list[dict]) -> str:
+    """What the world size counts: "processes" where every run says it ran on a CPU, else "GPUs"."""
+    return "processes" if runs and all(record.get("device") == "cpu" for record in runs) else "GPUs"
+
+
+def table(rows: list[dict], unit: str = "GPUs") -> str:
     width = max([len("layout")] + [len(row["layout"]) for row in rows])
-    header = f"{'GPUs':>5} {'nodes':>5} {'runs':>4} {'tokens/s':>12} {'speed-up':>8} {'efficiency':>10}"
+    header = f"{unit:>5} {'nodes':>5} {'runs':>4} {'tokens/s':>12} {'speed-up':>8} {'efficiency':>10}"
     lines = [f"{'layout':<{width}} {header}"]
     for row in rows:
-        counts = f"{row['gpus']:>5} {row['nodes']:>5} {row['runs']:>4}"
+        counts = f"{row['gpus']:>{max(5, len(unit))}} {row['nodes']:>5} {row['runs']:>4}"
         speeds = f"{row['tokens_per_s']:>12,.0f} {row['speedup']:>7.2f}x {row['efficiency']:>10.0%}"
         lines.append(f"{row['layout']:<{width}} {counts} {speeds}")
     return "\n".join(lines)
@@ -114,22 +137,23 @@ def comparison_rows(first: list[dict], second: list[dict]) -> list[dict]:
     ]
 
 
-def comparison_table(first: list[dict], second: list[dict]) -> str:
+def comparison_table(first: list[dict], second: list[dict], unit: str = "GPUs") -> str:
     names = first[0]["layout"], second[0]["layout"]
     lines = [f"A: {names[0]}", f"B: {names[1]}"]
-    lines.append(f"{'GPUs':>5} {'A tokens/s':>12} {'B tokens/s':>12} {'B / A':>6} {'A eff.':>7} {'B eff.':>7}")
+    lines.append(f"{unit:>5} {'A tokens/s':>12} {'B tokens/s':>12} {'B / A':>6} {'A eff.':>7} {'B eff.':>7}")
     for row in comparison_rows(first, second):
         lines.append(
-            f"{row['gpus']:>5} {row['first']:>12,.0f} {row['second']:>12,.0f} {row['ratio']:>5.2f}x "
+            f"{row['gpus']:>{max(5, len(unit))}} {row['first']:>12,.0f} {row['second']:>12,.0f} {row['ratio']:>5.2f}x "
             f"{row['first_efficiency']:>7.0%} {row['second_efficiency']:>7.0%}"
         )
     if len(lines) == 3:
-        lines.append("(no world size that both A and B ran)")
+        lines.append(f"(no number of {unit} that both A and B ran)")
     return "\n".join(lines)
 
 
-def figure(rows: list[dict], title: str):
-    """Tokens/s against GPUs (with each layout's ideal, linear scaling) beside the scaling efficiency."""
+def figure(rows: list[dict], title: str, unit: str = "GPUs"):
+    """Tokens/s against the world size (with linear scaling from each baseline) beside the scaling efficiency.
+    unit: what the world size counts ("GPUs", or "processes" for runs that share a CPU)."""
     import matplotlib
 
     if "matplotlib.pyplot" not in sys.modules:  # the command line: no display. A notebook keeps its inline backend
@@ -138,27 +162,32 @@ def figure(rows: list[dict], title: str):
 
     with plt.rc_context({"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 10}):
         fig, (speed_ax, efficiency_ax) = plt.subplots(1, 2, figsize=(11, 5.5), constrained_layout=True)
+        ideals = set()  # (baseline world size, tokens/s): one linear line per baseline
         for name in dict.fromkeys(row["layout"] for row in rows):
             mine = [row for row in rows if row["layout"] == name]
             gpus = [row["gpus"] for row in mine]
             (line,) = speed_ax.plot(gpus, [row["tokens_per_s"] for row in mine], "o-", label=name)
-            base = mine[0]
-            ideal = [base["tokens_per_s"] * n / base["gpus"] for n in gpus]
-            speed_ax.plot(gpus, ideal, "--", color=line.get_color(), alpha=0.5, label=f"{name}: linear")
+            base = (mine[0]["base_gpus"], mine[0]["base_tokens_per_s"])
+            if base not in ideals:
+                ideals.add(base)
+                ideal = [base[1] * n / base[0] for n in sorted({base[0], *gpus})]
+                counted = unit if base[0] > 1 else SINGULAR.get(unit, unit)
+                speed_ax.plot(sorted({base[0], *gpus}), ideal, "--", color=line.get_color(), alpha=0.5,
+                              label=f"linear scaling from {base[0]} {counted}")  # fmt: skip
             efficiency = [100 * row["efficiency"] for row in mine]
             efficiency_ax.plot(gpus, efficiency, "o-", color=line.get_color(), label=name)
-        all_gpus = sorted({row["gpus"] for row in rows})
+        all_gpus = sorted({row["gpus"] for row in rows} | {base for base, _ in ideals})
         for ax in (speed_ax, efficiency_ax):
             ax.set_xscale("log", base=2)
             ax.set_xticks(all_gpus, [str(n) for n in all_gpus])
-            ax.set_xlabel("GPUs (world size)")
+            ax.set_xlabel(f"{unit} (world size)")
             ax.grid(alpha=0.3)
-        speed_ax.set_ylabel("throughput (tokens/s, all GPUs)")
-        speed_ax.set_title("Throughput, and linear scaling from the smallest run")
+        speed_ax.set_ylabel(f"throughput (tokens/s, all {unit})")
+        speed_ax.set_title("Throughput, and linear scaling from the baseline")
         efficiency_ax.axhline(100, color="gray", linewidth=1)
         efficiency_ax.set_ylim(0, max(110, 5 + max(100 * row["efficiency"] for row in rows)))
         efficiency_ax.set_ylabel("scaling efficiency (%)")
-        efficiency_ax.set_title("Efficiency = speed-up / (GPUs / smallest GPUs)")
+        efficiency_ax.set_title(f"Efficiency = speed-up / ({unit} / baseline's {unit})")
         for ax in (speed_ax, efficiency_ax):  # below the axes: long layout names would hide curves and labels
             ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
         fig.suptitle(title)
@@ -173,6 +202,10 @@ def main(argv=None):
     parser.add_argument(
         "--compare", nargs=2, metavar=("A", "B"), help="two layouts to put side by side, e.g. impl=scratch impl=builtin"
     )
+    parser.add_argument(
+        "--baseline", choices=["own", "smallest"], default="own",
+        help="efficiency against each layout's smallest run (own) or the smallest run of all (one baseline)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     folder = Path(args.runs_dir)
     if not folder.is_dir():
@@ -180,18 +213,22 @@ def main(argv=None):
     runs = read_runs(folder)
     if not runs:
         sys.exit(f"no metrics files in {folder}: run the scripts with --metrics-out {folder}/NAME.json first")
-    rows = scaling_rows(runs)
+    try:
+        rows = scaling_rows(runs, args.baseline)
+    except ValueError as error:
+        sys.exit(f"--baseline smallest: {error}; pass --baseline own, or keep one layout at that size")
+    unit = world_unit(runs)
     if args.compare:
         try:
             first, second = (select(rows, words) for words in args.compare)
         except ValueError as error:
             sys.exit(f"--compare: {error}")
         rows = first + second
-        print(comparison_table(first, second))
+        print(comparison_table(first, second, unit))
     else:
-        print(table(rows))
+        print(table(rows, unit))
     out = Path(args.out) if args.out else folder / ("comparison.png" if args.compare else "scaling.png")
-    fig = figure(rows, args.title or f"Scaling of {len(runs)} runs in {folder.name}")
+    fig = figure(rows, args.title or f"Scaling of {len(runs)} runs in {folder.name}", unit)
     fig.savefig(out, dpi=120)
     print(f"figure: {out}")
 

@@ -62,17 +62,27 @@ MUTANTS = [
            find="dist.all_reduce(flat, group=group)", replace="dist.all_reduce(flat)"),
     # TODO 7: the built-in composition
     Mutant(todo=7, what="only the stage is wrapped: no per-block FSDP units",
-           find="    for block in stage.blocks.values():\n        fully_shard(block, mesh=mesh[\"dp\"])\n",
+           find='    for block in stage.blocks.values():\n        fully_shard(block, mesh=mesh["dp"], '
+                'reshard_after_forward=one_stage)\n',
            replace=""),
     Mutant(todo=7, what="no tensor parallelism: every TP rank holds whole projections",
            find='    tensor_parallel.apply_tensor_parallel(model, mesh["tp"])\n', replace=""),
     Mutant(todo=7, what="the stage root is not wrapped: embeddings and head are never averaged over dp",
-           find='    fully_shard(stage, mesh=mesh["dp"])\n    return stage', replace="    return stage"),
+           find='    fully_shard(stage, mesh=mesh["dp"])  # the root', replace="    pass  # the root"),
     Mutant(todo=7, what="the sub-meshes swapped: TP over the DP ranks, FSDP over the TP ranks",
            find='    tensor_parallel.apply_tensor_parallel(model, mesh["tp"])\n',
            replace='    mesh = {"pp": mesh["pp"], "dp": mesh["tp"], "tp": mesh["dp"]}\n'
                    '    tensor_parallel.apply_tensor_parallel(model, mesh["tp"])\n'),
     Mutant(todo=7, what="fully_shard without mesh= as in lesson 03: FSDP over the whole world, not the DP sub-mesh",
-           find='        fully_shard(block, mesh=mesh["dp"])\n    fully_shard(stage, mesh=mesh["dp"])\n',
-           replace="        fully_shard(block)\n    fully_shard(stage)\n"),
+           find='        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=one_stage)\n'
+                '    fully_shard(stage, mesh=mesh["dp"])',
+           replace="        fully_shard(block, reshard_after_forward=one_stage)\n    fully_shard(stage)"),
+    Mutant(todo=7, what="reshard_after_forward left out: under the pipeline every micro-batch gathers each block again",
+           find=', reshard_after_forward=one_stage)', replace=")"),
+    Mutant(todo=7, what="the condition inverted: reshards under the pipeline, keeps whole blocks with one stage",
+           find='one_stage = mesh["pp"].size() == 1', replace='one_stage = mesh["pp"].size() > 1'),
+    Mutant(todo=7, what="never reshards: with one stage the blocks stay whole and FSDP saves no parameter memory",
+           find='one_stage = mesh["pp"].size() == 1', replace="one_stage = False"),
+    Mutant(todo=7, what="decides by the DP group's size instead of the pipeline's stages",
+           find='one_stage = mesh["pp"].size() == 1', replace='one_stage = mesh["dp"].size() == 1'),
 ]  # fmt: skip
