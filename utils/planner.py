@@ -24,15 +24,17 @@ product with V over the causal half of the s x s matrix (Megatron-LM's papers, P
 - recomputation adds the forward FLOPs of what it rebuilds: full, every layer's forward (2 x its parameters + the
   attention); selective, unfused, the attention core (Korthikanti et al. 2022); selective, fused, the norms and the
   MLP's activation function, which have no matmul FLOPs (the scores were never stored).
-Time of one micro-batch on a stage = its hardware FLOPs / (peak x the GPU's matmul efficiency) + the bytes its
-memory-bound kernels move / HBM bandwidth (norms, residual adds, the activation function; the scores' softmax when
-unfused) + a fixed cost per kernel (launch and tail). The per-kernel cost and the matmuls' share make small
-micro-batches less efficient; nothing is an assumed MFU.
+Time of one micro-batch on a stage = its matmul FLOPs / (peak x the GPU's matmul efficiency) + its attention FLOPs
+at a fused kernel's slower rate (attention_speed) + the bytes its memory-bound kernels move / HBM bandwidth (norms,
+residual adds, the activation function; the scores' softmax when unfused) + a fixed cost per kernel (launch, tail).
+The per-kernel cost and the matmuls' share make small micro-batches less efficient; nothing is an assumed MFU.
 
 Memory per GPU, on the stage that needs the most:
 - model state: utils/memory.py's ZeRO rule for the stage's parameters over the dp x cp ranks that hold the same
   weights (experts: over dp x cp / ep). The first stage also holds the embedding (V h), the last the head (V h);
   the layers share the rest of N. Everything a GPU holds is split over tp.
+- "mixed" precision keeps 16-bit gradients (2 bytes a parameter; FSDP2 with an fp32 reduce_dtype accumulates fp32
+  ones under a pipeline, 4 bytes: count that run as precision "fp32" gradients).
 - ZeRO under gradient accumulation, as torch runs it: with pp > 1 torch's pipelining defers the gradient
   reduce-scatter to the last micro-batch, so full gradients are held across micro-batches, and torchtitan keeps the
   parameters gathered (reshard_after_forward = not pp): ZeRO-2/3 would hold what ZeRO-1 holds, so the planner
@@ -50,9 +52,10 @@ Memory per GPU, on the stage that needs the most:
 
 Communication, each collective with lesson 01's alpha-beta ring model on the link its group uses (NVLink inside a
 node, the NIC across), ranks ordered tp, cp, dp, pp innermost first (Megatron-LM's order):
-- TP: per layer and micro-batch 2 all-reduces forward and 2 backward (2 more when full recomputation repeats the
-  forward), each of s/cp x b x h 16-bit values; sequence parallelism swaps each for a reduce-scatter and an
-  all-gather of the same volume. Counted as exposed (asynchronous TP, which overlaps them with the matmuls on GPUs,
+- TP: per layer and micro-batch 2 all-reduces forward and 2 backward (2 more when recomputation replays the
+  forward: full, and torch's selective policy, which keeps the matmuls' outputs but replays the collectives), each
+  of s/cp x b x h 16-bit values; sequence parallelism swaps each for a reduce-scatter and an all-gather of the
+  same volume. Counted as exposed (asynchronous TP, which overlaps them with the matmuls on GPUs,
   is not modelled).
 - CP (ring attention): per layer and micro-batch cp - 1 ring steps, each sending a K and a V chunk (2 s/cp b h / t
   values, kv_heads / heads of that with grouped-query attention) while the attention of the chunk in hand runs;
@@ -70,8 +73,7 @@ node, the NIC across), ranks ordered tp, cp, dp, pp innermost first (Megatron-LM
   shows.
 
 What it leaves out: NCCL's tree and PAT algorithms, whose latency grows as log n instead of the ring's n - 1 (the
-planner overcharges very large flat groups), SwiGLU's third matrix (give its parameters in N;
-the activations stay a 4h GELU MLP's), asynchronous TP, the MoE capacity factor and load imbalance (tokens spread
+planner overcharges very large flat groups), asynchronous TP, the MoE capacity factor and load imbalance (tokens spread
 evenly over the experts), the optimizer step's own time, data loading, stragglers and network contention.
 """
 
@@ -119,6 +121,12 @@ class Model:
     top_k: int = 1  # experts each token is routed to
     ffn_hidden: int | None = None  # an expert's (or the MLP's) hidden width; None: 4 x hidden
     kv_heads: int | None = None  # grouped-query attention's key/value heads; None: as many as heads
+    gated_mlp: bool = False  # a gated MLP (SwiGLU: gate, up and down matrices) instead of up and down
+
+    @property
+    def ffn_ratio(self) -> float:
+        """The MLP's (or an expert's) hidden width against the model's: 4 unless ffn_hidden says otherwise."""
+        return (self.ffn_hidden or 4 * self.hidden) / self.hidden
 
     @property
     def kv_fraction(self) -> float:
@@ -131,7 +139,8 @@ class Model:
         a dense model, whose MLP is counted with the rest). The rest of params is dense: every token uses it."""
         if self.experts == 1:
             return 0.0
-        return self.layers * self.experts * 2 * self.hidden * (self.ffn_hidden or 4 * self.hidden)
+        matrices = 3 if self.gated_mlp else 2
+        return self.layers * self.experts * matrices * self.hidden * (self.ffn_hidden or 4 * self.hidden)
 
     @property
     def active_params(self) -> float:
@@ -161,22 +170,26 @@ class Model:
 # reaches more on large shapes (about 80 % of an A100's peak); the difference is what the planner does not model:
 # the optimizer step, data loading, launch gaps, clocks under power limits.
 MATMUL_EFFICIENCY = 0.6
+# A fused attention kernel runs its FLOPs slower than a large matmul: FlashAttention-2 reaches 50-73 % of an A100's
+# peak forward and less backward (Dao 2023, arXiv:2307.08691), and only about 35 % of an H100's (Shah et al. 2024,
+# FlashAttention-3, arXiv:2407.08608), where cuBLAS reaches about 80 % and 75 %. attention_speed is that ratio: the
+# fused kernel's FLOP rate as a share of the matmuls'. An unfused attention runs as batched matmuls, at their rate.
 HARDWARE = {
     "A100": dict(
         name="A100 SXM 80GB", memory=80e9, peak_flops=312e12, hbm_bandwidth=2.0e12, intra_bandwidth=300e9,
-        inter_bandwidth=25e9, matmul_efficiency=MATMUL_EFFICIENCY,
+        inter_bandwidth=25e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speed=0.75,
     ),  # NVLink 3: 600 GB/s in all; one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100, Selene)
     "H100": dict(
         name="H100 SXM 80GB", memory=80e9, peak_flops=989e12, hbm_bandwidth=3.35e12, intra_bandwidth=450e9,
-        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY,
+        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speed=0.47,
     ),  # NVLink 4: 900 GB/s in all; one 400 Gb/s NDR InfiniBand (or RoCE) NIC per GPU
     "H200": dict(
         name="H200 SXM 141GB", memory=141e9, peak_flops=989e12, hbm_bandwidth=4.8e12, intra_bandwidth=450e9,
-        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY,
+        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speed=0.47,
     ),  # the H100's compute and links, more and faster memory
     "H800": dict(
         name="H800 SXM 80GB", memory=80e9, peak_flops=989e12, hbm_bandwidth=3.35e12, intra_bandwidth=200e9,
-        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY,
+        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speed=0.47,
     ),  # NVLink 400 GB/s in all; 400 Gb/s InfiniBand per GPU
 }  # fmt: skip
 
@@ -196,6 +209,7 @@ class Cluster:
     inter_latency: float = 10e-6  # seconds per message between nodes
     matmul_efficiency: float = MATMUL_EFFICIENCY  # share of peak the matmuls reach in a training loop
     hbm_bandwidth: float = 3.35e12  # bytes/s of the GPU's own memory
+    attention_speed: float = 0.47  # a fused attention kernel's FLOP rate as a share of the matmuls'
     name: str = "H100 SXM 80GB"
 
     @classmethod
@@ -212,6 +226,10 @@ class Cluster:
     @property
     def matmul_flops(self) -> float:
         return self.peak_flops * self.matmul_efficiency
+
+    def attention_flops(self, fused: bool) -> float:
+        """FLOP/s of the attention's scores and their product with V: a fused kernel's, or batched matmuls'."""
+        return self.matmul_flops * (self.attention_speed if fused else 1.0)
 
     def link(self, inside_node: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the link a group uses: the slow one as soon as it leaves a node."""
@@ -302,6 +320,8 @@ def activation_bytes_per_layer(
     fused_attention: bool = False,
     kv_fraction: float = 1.0,
     framework: str = "megatron",
+    ffn_ratio: float = 4.0,
+    gated_mlp: bool = False,
 ) -> float:
     """Bytes one transformer layer keeps for backward, 16-bit activations and 1-byte dropout masks.
 
@@ -326,15 +346,18 @@ def activation_bytes_per_layer(
       all-gathers it again in backward (the /t above); selective (Megatron-Core's --recompute-modules layernorm
       and the activation function) keeps 2 values that sequence parallelism splits (the norms' inputs) and 8 that
       TP splits (Q, K, V, the attention output, the up projection's output).
-    - "torch" (the course, torchtitan: DTensor's SequenceParallel and a selective-checkpoint policy that keeps every
-      matmul's output): a column-parallel matmul saves the input it all-gathered, so the two norms' outputs stay
-      whole under sequence parallelism; selective keeps the layer's input (split by sequence parallelism), the output
-      and down projections' outputs (partial sums before their all-reduce or reduce-scatter: whole) and the same 8
-      split values, and replays the norms, the activation function, the residual adds and the collectives.
+    - "torch" (the course: DTensor's SequenceParallel, and a selective-checkpoint policy that keeps every matmul's
+      output, utils/measure_at_scale.keep_matmuls): a column-parallel matmul saves the input it all-gathered, so the
+      two norms' outputs stay whole under sequence parallelism; selective keeps the layer's input (split by
+      sequence parallelism), the output and down projections' outputs (partial sums before their all-reduce or
+      reduce-scatter: whole) and the same 8 split values, and replays the norms, the activation function, the
+      residual adds and the collectives.
     value_bytes and dropout restate them for another model: 4 for fp32 (the course's CPU runs), dropout=False for
     the course model (it has none). A MoE layer runs each token through top_k experts: the MLP's input
     (dispatched) and its up and GELU outputs count top_k times (1 of the 4 whole values, 8 of the 12 split ones).
-    Grouped-query attention keeps K and V kv_fraction as wide as Q (kv_heads / heads).
+    Grouped-query attention keeps K and V kv_fraction as wide as Q (kv_heads / heads); an MLP ffn_ratio x h wide
+    (the table's 4) keeps its up output and its activation's output at that width, a gated one (SwiGLU) its gate's
+    output too.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
@@ -345,14 +368,15 @@ def activation_bytes_per_layer(
     if recompute == "full":
         return value_bytes * sbh / split_by_sp
     masks = 2 if dropout else 0
-    matmul_outputs = 2 + 2 * kv_fraction + 4 * top_k  # Q, K, V, the attention output, the up projection's output
+    up_outputs = (2 if gated_mlp else 1) * ffn_ratio * top_k  # the up projection's output (and the gate's)
+    matmul_outputs = 2 + 2 * kv_fraction + up_outputs  # Q, K, V, the attention output, the up (and gate) output
     if fused_attention and recompute == "selective":  # the norms and the activation function recomputed
         if framework == "torch":  # the input, and the output and down projections' partial sums, kept
             return sbh * value_bytes * (1 / split_by_sp + 1 + top_k + matmul_outputs / t)
         return sbh * ((2 * value_bytes + masks) / split_by_sp + matmul_outputs * value_bytes / t)
     kept_scores = not fused_attention and recompute == "none"
     scores = a * s * s * b * (value_bytes * (1 + dropout) + dropout) / t if kept_scores else 0
-    split = matmul_outputs + 4 * top_k  # and the activation function's output
+    split = matmul_outputs + ffn_ratio * top_k  # and the activation function's output
     norm_outputs = (1 + top_k) * value_bytes / (1 if framework == "torch" else split_by_sp)  # QKV's and the MLP's input
     return sbh * ((2 * value_bytes + masks) / split_by_sp + norm_outputs + split * value_bytes / t) + scores
 
@@ -396,7 +420,7 @@ def stage_activation_bytes(
     split_by_sp = t if layout.sequence_parallel else 1
     per_layer = activation_bytes_per_layer(
         s, b, h, model.heads, t, layout.sequence_parallel, layout.recompute, value_bytes, dropout, model.top_k,
-        layout.fused_attention, model.kv_fraction, layout.framework,
+        layout.fused_attention, model.kv_fraction, layout.framework, model.ffn_ratio, model.gated_mlp,
     )  # fmt: skip
     held = per_layer * (layers_of_stage(model.layers, p, stage) if layers is None else layers)
     if stage == 0 and dropout:
@@ -457,6 +481,7 @@ def activation_bytes(model: Model, layout: Layout, stage: int = 0, layers: int |
         held += activation_bytes_per_layer(
             s, b, h, model.heads, t, layout.sequence_parallel, "none", top_k=model.top_k,
             fused_attention=layout.fused_attention, kv_fraction=model.kv_fraction, framework=layout.framework,
+            ffn_ratio=model.ffn_ratio, gated_mlp=model.gated_mlp,
         )  # fmt: skip
     return held
 
@@ -575,7 +600,9 @@ def ring_attention_seconds(model: Model, cluster: Cluster, layout: Layout) -> fl
     bandwidth, latency = cluster.link(inside_one_node(t, cp, cluster.gpus_per_node))
     step_bytes = 2 * 2 * s / cp * b * model.hidden * model.kv_fraction / t  # K and V chunks, 16-bit
     transfer = latency + step_bytes / bandwidth
-    rank_attention = attention_flops(model, layout)[1] * (s / cp) * b / t / cluster.matmul_flops  # forward, seconds
+    rank_attention = (
+        attention_flops(model, layout)[1] * (s / cp) * b / t / cluster.attention_flops(layout.fused_attention)
+    )
     per_step = rank_attention / cp
     backward_ratio = 2.5 if layout.fused_attention else 2
     forward = (cp - 1) * max(0.0, transfer - per_step)
@@ -634,13 +661,21 @@ def stage_work(model: Model, cluster: Cluster, layout: Layout, stage: int, layer
     if layout.fused_attention:  # the norms and the activation function, again
         moved_recomputed["selective"] = layers * values_bytes / 2
 
+    # The attention's FLOPs at the attention kernel's rate, the rest at the matmuls'.
+    attention_forward = layers * attention
+    rebuilt = layout.recompute == "full" or (layout.recompute == "selective" and not layout.fused_attention)
+    attention_later = layers * attention * (attention_backward + rebuilt)  # backward, and the rebuilt forward
+    matmul_rate, attention_rate = cluster.matmul_flops, cluster.attention_flops(layout.fused_attention)
     overhead = layers * KERNELS_PER_LAYER * KERNEL_OVERHEAD_S
-    forward_s = forward / cluster.matmul_flops + moved_forward / cluster.hbm_bandwidth + overhead / 3
+    forward_s = (
+        (forward - attention_forward) / matmul_rate + attention_forward / attention_rate
+        + moved_forward / cluster.hbm_bandwidth + overhead / 3
+    )  # fmt: skip
     backward_s = (
-        (flops - forward) / cluster.matmul_flops
+        (flops - forward - attention_later) / matmul_rate + attention_later / attention_rate
         + (2 * moved_forward + moved_recomputed[layout.recompute]) / cluster.hbm_bandwidth
         + overhead * (2 / 3 + (1 / 3 if layout.recompute == "full" else 0))
-    )
+    )  # fmt: skip
     return StageWork(forward_s, backward_s, flops)
 
 
@@ -685,7 +720,10 @@ def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "mi
     pred.compute_s = m * (work.forward_s + work.backward_s)
 
     # Tensor parallelism: per layer 2 all-reduces forward, 2 backward (2 more when the forward is recomputed).
-    per_layer = 4 + (2 if layout.recompute == "full" else 0)
+    # Recomputation replays the forward's two: full always, torch's selective too (its policy keeps the matmuls'
+    # outputs, not the collectives', and the replay runs every operation it did not keep).
+    replayed = layout.recompute == "full" or (layout.recompute == "selective" and layout.framework == "torch")
+    per_layer = 4 + (2 if replayed else 0)
     tp_link = cluster.link(inside_one_node(1, t, cluster.gpus_per_node))
     pred.tp_s = layers_here * m * per_layer * all_reduce_seconds(2 * s // cp * b * h, t, *tp_link)
     pred.cp_s = layers_here * m * ring_attention_seconds(model, cluster, layout)
@@ -768,6 +806,8 @@ def check_layout(model: Model, cluster: Cluster, layout: Layout, global_batch: i
         return f"more pipeline chunks than layers ({model.layers} layers, pp={pp} x v={v})"
     if v > 1 and pp == 1:
         return f"virtual stages without a pipeline (v={v}, pp=1)"
+    if v > 1 and math.ceil(model.layers / pp) % v:
+        return f"stages do not split into v chunks ({math.ceil(model.layers / pp)} layers a stage, v={v})"
     if v > 1 and layout.microbatches % pp:
         return f"interleaving needs micro-batches in multiples of pp (m={layout.microbatches}, pp={pp})"
     if dp * layout.micro_batch * layout.microbatches != global_batch:
