@@ -86,17 +86,20 @@ CHECKS = [
       for bits in (2, 4, 8, 16, 32)),
     Check("08", "checkpoints", [*SMALL, "--checkpoint-every", "2"]),
     Check("08", "async checkpoints", [*SMALL, "--checkpoint-every", "2", "--async-save"]),
-    # Lesson 09: the ring and the experts at world size = the GPUs. torch's context_parallel runs only on a GPU (it
-    # dispatches fused attention kernels): its CPU reference is the ring from scratch.
-    *(Check("09", f"CP ring, {split}", [*SMALL, "--parallel", "cp", "--cp-split", split])
+    # Lesson 09: context parallelism at world size = the GPUs, the ring (both splits) and Ulysses from scratch.
+    # torch's context_parallel runs only on GPUs (it replaces the fused CUDA attention kernels): its CPU reference is
+    # the ring from scratch, and at world size 1 it would be a ring of one, so it needs 2 GPUs.
+    *(Check("09", f"CP ring, {split}", [*SMALL, "--impl", "ring", "--cp-split", split])
       for split in ("contiguous", "zigzag")),
-    Check("09", "CP built-in", [*SMALL, "--parallel", "cp", "--impl", "builtin"],
-          cpu_args=[*SMALL, "--parallel", "cp", "--impl", "scratch"]),
-    *(Check("09", f"EP {impl}", [*SMALL, "--parallel", "ep", "--impl", impl, "--experts", "8"])
-      for impl in ("scratch", "builtin")),
+    Check("09", "CP Ulysses", [*SMALL, "--impl", "ulysses"]),
+    Check("09", "CP built-in", [*SMALL, "--impl", "builtin"], cpu_args=[*SMALL, "--impl", "ring"], min_gpus=2),
+    # Lesson 10: the experts at world size = the GPUs (8 experts split over 1, 2, 4 or 8), both dispatches: uneven
+    # all_to_all_single with its counts on the host (dropless), fixed buffers (padded).
+    *(Check("10", f"EP {dispatch} {impl}", [*SMALL, "--dispatch", dispatch, "--impl", impl, "--experts", "8"])
+      for dispatch in ("dropless", "padded") for impl in ("scratch", "builtin")),
 ]  # fmt: skip
 QUICK = {"baseline", "collectives and ring", "DDP built-in", "fsdp", "DTensor TP + SP", "scratch 1f1b", "none",
-         "checkpoints", "CP ring, zigzag", "EP scratch"}  # fmt: skip
+         "checkpoints", "CP ring, zigzag", "EP dropless scratch"}  # fmt: skip
 
 # Peak dense bf16 FLOP/s from the vendors' data sheets (without sparsity), by a substring of the device name.
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -122,6 +125,8 @@ def launch(check: Check, nproc: int, folder: Path, env: dict) -> Run:
         args += ["--checkpoint-dir", folder / "checkpoints"]
     if check.lesson == "04" and nproc > 4:  # heads (and the width) must split over the GPUs
         args += ["--n-heads", str(nproc), "--dim", str(16 * nproc)]
+    if check.lesson == "09" and nproc > 4:  # Ulysses gives each rank whole heads
+        args += ["--n-heads", str(nproc)]
     if check.lesson == "05":  # two blocks per rank (interleaved puts two stages on each), a micro-batch per stage
         args += ["--n-layers", str(2 * nproc), "--microbatches", str(max(4, nproc))]
     # cold: torchrun itself, as on the cluster (warm ranks are the CPU suite's shortcut)

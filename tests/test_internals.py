@@ -69,7 +69,7 @@ def test_every_private_torch_name_the_course_uses_is_listed():
     unlisted = sorted(
         f"{path.relative_to(ROOT)}: {use}"
         for folder in ("solutions", "utils", "tests/workers")
-        for path in sorted((ROOT / folder).glob("*.py"))
+        for path in sorted((ROOT / folder).rglob("*.py"))  # utils/lesson_NN/ too
         for use in private_uses(code_of(path))
         if use not in listed
     )

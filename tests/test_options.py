@@ -105,13 +105,17 @@ EFFECTS = {
     },
     "09": {
         **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
-        "--parallel": SHARED_RUN,
-        "--impl": "test_builtin_is_refused_on_cpu_in_one_line",
-        "--cp-split": "test_todo5_zigzag_balances_the_causal_work",
+        "--impl": "test_impl_and_cp_split_change_what_the_run_does",
+        "--cp-split": "test_impl_and_cp_split_change_what_the_run_does",
+    },
+    "10": {
+        **{option: SHARED_RUN for option in SHARED_OPTIONS if option != "--autocast"},
         "--experts": "test_options_and_measurements_reach_the_metrics",
         "--top-k": "test_options_and_measurements_reach_the_metrics",
+        "--dispatch": "test_options_and_measurements_reach_the_metrics",
         "--capacity-factor": "test_options_and_measurements_reach_the_metrics",
         "--aux-loss-weight": "test_options_and_measurements_reach_the_metrics",
+        "--impl": "test_options_and_measurements_reach_the_metrics",
     },
 }
 # Options a script refuses beyond the shared ones it leaves out: lesson -> {option: a value to pass}.
@@ -167,7 +171,7 @@ def refused(lesson: str) -> dict:
 
 
 def lesson_test_files(lesson: str) -> list:
-    """The lesson's test files: tests/test_NN_topic.py, or one per part (lesson 09: test_09_context.py, ...)."""
+    """The lesson's test files: tests/test_NN_topic.py (or several, tests/test_NN_*.py)."""
     return sorted((ROOT / "tests").glob(f"test_{lesson}_*.py"))
 
 

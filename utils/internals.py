@@ -39,9 +39,29 @@ INTERNALS = [
     ),
     Internal(
         "torch.utils._python_dispatch.TorchDispatchMode",
-        "utils/collective_counter.py (lesson 04's count of collectives, with the c10d/_c10d_functional op names)",
+        "utils/collective_counter.py (lesson 04's count of collectives, with the c10d/_c10d_functional op names); "
+        "utils/lesson_09/measure.py (LiveBytes: the bytes alive at attention's peak, on a CPU)",
         "see every collective DTensor issues, including functional ones that bypass torch.distributed's names",
         "torch.distributed.tensor.debug.CommDebugMode (DTensor only), or torch.profiler's collective events",
+    ),
+    Internal(
+        "torch._subclasses.fake_tensor.FakeTensorMode",
+        "utils/measure_at_scale.py (a 70B model's block run at real size without allocating)",
+        "tensors with shapes and dtypes but no data: the bytes autograd saves, counted without the memory",
+        "the meta device alone (no kernels run on it, so autograd saves nothing to count)",
+    ),
+    Internal(
+        "torch.testing._internal.distributed.fake_pg.FakeStore",
+        "utils/measure_at_scale.py (one rank of a 64-rank job in one process)",
+        "importing it registers the 'fake' process-group backend, whose collectives return at once (torchtitan's "
+        "memory estimation uses it the same way)",
+        "none public: a real backend needs every rank's process",
+    ),
+    Internal(
+        "torch.utils._pytree.tree_leaves",
+        "utils/measure_at_scale.py (the tensors inside an operation's nested outputs)",
+        "flatten whatever structure an operation returns",
+        "a small recursive flatten over tuples, lists and dicts",
     ),
     Internal(
         "torch.ops._c10d_functional.all_gather_into_tensor",
@@ -93,13 +113,13 @@ INTERNALS = [
     ),
     Internal(
         "torch.distributed.tensor.experimental._attention._cp_options",
-        "utils/compat.py (configure_context_parallel), called by solutions/09_context_and_experts.py",
+        "utils/compat.py (configure_context_parallel), called by solutions/09_context_parallelism.py",
         "choose the causal load balancing of context_parallel (the public API has no switch for it)",
         "none in torch 2.11-2.13: the default options",
     ),
     Internal(
         "torch.distributed.tensor.experimental._attention.set_rotate_method",
-        "utils/compat.py (configure_context_parallel), called by solutions/09_context_and_experts.py",
+        "utils/compat.py (configure_context_parallel), called by solutions/09_context_parallelism.py",
         "pass keys and values around the ring (the from-scratch lesson's method) instead of all-gathering them",
         "none in torch 2.11-2.13: the default (all-gather)",
     ),

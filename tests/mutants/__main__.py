@@ -7,9 +7,10 @@ earn partial credit?
 For each mutant, the lesson's solution with that one mistake becomes a learner's completed exercise (in a
 temporary folder) and `make check`'s machinery runs on it (the lesson's tests with --target-dir, then the
 one-line-per-TODO report). The table shows lesson, TODO, the mistake, and the line a learner would see.
-Killed: the mutant's TODO is "failing" and no other TODO is. Every TODO's tests run (the lesson's whole-script
-checks, which no TODO line reads, do not); --quick runs only the tests named after the mutant's TODO (faster while
-writing mutants; it cannot see another TODO being blamed).
+Killed: the mutant's TODO is "failing" and no other TODO is. A lesson may also list VARIANTS (correct answers
+written another way, as Mutants): each must be accepted, its TODO "passing" and no TODO failing. Every TODO's
+tests run (the lesson's whole-script checks, which no TODO line reads, do not); --quick runs only the tests named
+after the mutant's TODO (faster while writing mutants; it cannot see another TODO being blamed).
 """
 
 import argparse
@@ -40,9 +41,10 @@ def solution_of(lesson: str) -> Path:
     return next((ROOT / "solutions").glob(f"{lesson}_*.py"))
 
 
-def mutants_of(lesson: str) -> list[Mutant]:
+def mutants_of(lesson: str, kind: str = "MUTANTS") -> list[Mutant]:
+    """The lesson's mistakes (kind "MUTANTS") or its correct variants ("VARIANTS", which a lesson may not list)."""
     try:
-        return importlib.import_module(f"tests.mutants.lesson_{lesson}").MUTANTS
+        return getattr(importlib.import_module(f"tests.mutants.lesson_{lesson}"), kind, [])
     except ModuleNotFoundError:
         return []
 
@@ -112,7 +114,9 @@ def run_mutants(selected: list[str], todo: int | None, quick: bool) -> int:
         solution = solution_of(lesson)
         text = solution.read_text()
         _, todos = make_exercise(text, solution.name)
-        for mutant in mutants_of(lesson):
+        # A mutant must be killed (its TODO failing, no other blamed); a correct variant accepted (its TODO passing).
+        checks = [(m, False) for m in mutants_of(lesson)] + [(v, True) for v in mutants_of(lesson, "VARIANTS")]
+        for mutant, variant in checks:
             if todo is not None and mutant.todo != todo:
                 continue
             started = time.monotonic()
@@ -123,15 +127,20 @@ def run_mutants(selected: list[str], todo: int | None, quick: bool) -> int:
                 statuses, _, output = check(lesson, learner, f"todo{mutant.todo}_ or todos_" if quick else "todo")
                 own = statuses.get(mutant.todo, "no report:\n" + output[-1500:])
                 blamed = [n for n, s in statuses.items() if n != mutant.todo and s.startswith("failing")]
-                killed = own.startswith("failing") and not blamed
+                ok = (own == "passing" if variant else own.startswith("failing")) and not blamed
                 seen = f"TODO {mutant.todo} {own}" + (f"; also blamed: TODO {blamed}" if blamed else "")
             except ValueError as error:
-                killed, seen = False, f"does not apply: {error}"
-            survivors += not killed
-            rows.append((lesson, mutant.todo, mutant.what, "killed" if killed else "SURVIVED", seen))
-            print(f"{lesson}  TODO {mutant.todo:<2} {'killed  ' if killed else 'SURVIVED'} {mutant.what}  "
-                  f"({time.monotonic() - started:.0f} s)\n      a learner sees: {seen[:300]}", flush=True)  # fmt: skip
-    print(f"\n{len(rows) - survivors} of {len(rows)} mutants killed")
+                ok, seen = False, f"does not apply: {error}"
+            survivors += not ok
+            verdict = ("accepted" if ok else "REJECTED") if variant else ("killed" if ok else "SURVIVED")
+            rows.append((lesson, mutant.todo, mutant.what, verdict, variant, seen))
+            print(f"{lesson}  TODO {mutant.todo:<2} {verdict:8s} {'(a correct variant) ' if variant else ''}"
+                  f"{mutant.what}  ({time.monotonic() - started:.0f} s)\n      a learner sees: {seen[:300]}",
+                  flush=True)  # fmt: skip
+    mutants, variants = ([row for row in rows if row[4] == kind] for kind in (False, True))
+    print(f"\n{sum(row[3] == 'killed' for row in mutants)} of {len(mutants)} mutants killed"
+          + (f", {sum(row[3] == 'accepted' for row in variants)} of {len(variants)} correct variants accepted"
+             if variants else ""))  # fmt: skip
     return 1 if survivors or not rows else 0
 
 

@@ -1,6 +1,265 @@
-"""Lesson 09's mutants: context parallelism's TODOs (1-5) and expert parallelism's (6-10), one list each."""
+"""Lesson 09 (context parallelism): the mistakes a learner makes, each of which its TODO's test must catch, and
+correct answers written another way, which every check must accept."""
 
-from tests.mutants.lesson_09_context import MUTANTS as CONTEXT
-from tests.mutants.lesson_09_experts import MUTANTS as EXPERTS
+from tests.mutants import Mutant
 
-MUTANTS = CONTEXT + EXPERTS
+POST = "ring.start(kv, send_to=next_rank, receive_from=previous_rank)"
+SKIP = (
+    "                if k_positions[ks][0] > positions[qs][-1]:\n"
+    "                    continue  # every key of this piece comes after every query: nothing to see\n"
+)  # TODO 4's (TODO 5's has no comment after `continue`)
+FORWARD_STEP = (  # TODO 4, from the post of the next block to the end of the step
+    f"            pending = {POST}\n"
+    "        k_positions = all_positions[owner]\n"
+    "        for qs in pieces(positions):\n"
+    "            for ks in pieces(k_positions):\n"
+    + SKIP
+    + "                ring.count(positions[qs], k_positions[ks])\n"
+    "                block = block_attention(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], positions[qs],\n"
+    "                                        k_positions[ks])  # fmt: skip\n"
+    "                out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], *block)\n"
+    "        if step < ring.size - 1:\n"
+    "            kv = pending.wait()\n"
+    "    # END SOLUTION\n"
+    "    return out, lse"
+)
+ONE_BLOCK_FORWARD = (  # one masked block per step: the whole chunks, skipped only when entirely in the future
+    f"            pending = {POST}\n"
+    "        k_positions = all_positions[owner]\n"
+    "        if k_positions.min() <= positions.max():\n"
+    "            ring.count(positions, k_positions)\n"
+    "            out, lse = merge(out, lse, *block_attention(q, kv[0], kv[1], positions, k_positions))\n"
+    "        if step < ring.size - 1:\n"
+    "            kv = pending.wait()\n"
+    "    # END SOLUTION\n"
+    "    return out, lse"
+)
+TWO_MESSAGES_FORWARD = FORWARD_STEP.replace(
+    f"            pending = {POST}\n",
+    "            pending = [ring.start(kv[i], send_to=next_rank, receive_from=previous_rank) for i in range(2)]\n",
+).replace("            kv = pending.wait()\n", "            kv = torch.stack([p.wait() for p in pending])\n")
+BACKWARD_BLOCKS = (  # TODO 5, the blocks of one step
+    "        for qs in pieces(positions):\n"
+    "            for ks in pieces(k_positions):\n"
+    "                if k_positions[ks][0] > positions[qs][-1]:\n"
+    "                    continue\n"
+    "                ring.count(positions[qs], k_positions[ks])\n"
+    "                d_q_piece, d_k_piece, d_v_piece = block_attention_backward(\n"
+    "                    q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], out[..., qs, :], d_out[..., qs, :],\n"
+    "                    lse[..., qs], positions[qs], k_positions[ks],\n"
+    "                )  # fmt: skip\n"
+    "                d_q[..., qs, :] += d_q_piece\n"
+    "                d_kv[0][..., ks, :] += d_k_piece\n"
+    "                d_kv[1][..., ks, :] += d_v_piece\n"
+)
+ONE_BLOCK_BACKWARD = (
+    "        if k_positions.min() <= positions.max():\n"
+    "            ring.count(positions, k_positions)\n"
+    "            d_q_block, d_k_block, d_v_block = block_attention_backward(\n"
+    "                q, kv[0], kv[1], out, d_out, lse, positions, k_positions\n"
+    "            )\n"
+    "            d_q += d_q_block\n"
+    "            d_kv[0] += d_k_block\n"
+    "            d_kv[1] += d_v_block\n"
+)
+GRADIENT_HOP = (  # TODO 5: the asynchronous gradient hop, to the end of the step and the final wait
+    "        if travelling is not None:\n"
+    "            d_kv += travelling.wait()  # the earlier ranks' shares, sent while this rank computed\n"
+    "        travelling = ring.start(d_kv, send_to=next_rank, receive_from=previous_rank)\n"
+    "        if step < ring.size - 1:\n"
+    "            kv = pending.wait()\n"
+    "    d_kv = travelling.wait()  # this rank's own block, back from its last visit: every rank's share\n"
+)
+D_KV = "        d_kv = torch.zeros_like(kv)  # this rank's share of the held block's gradient\n"
+BACKWARD_STEP = (  # TODO 5, from the post of the next block to the end
+    f"            pending = {POST}\n"
+    + D_KV
+    + "        k_positions = all_positions[owner]\n"
+    + BACKWARD_BLOCKS
+    + GRADIENT_HOP
+)
+SYNCHRONOUS_HOP = (  # the gradient of the held block summed in one buffer, passed on and waited for at once
+    "        if step < ring.size - 1:\n"
+    "            kv = pending.wait()\n"
+    "        d_kv = ring.start(d_kv, send_to=next_rank, receive_from=previous_rank).wait()\n"
+)
+LSE = "    lse = torch.logsumexp(scores, dim=-1)\n"
+MASK = '    scores = scores.masked_fill(hidden, float("-inf"))\n'
+ORDERED = "q[..., order, :], k[..., order, :], v[..., order, :], is_causal=True"
+
+MUTANTS = [
+    # TODO 1: the split of the sequence
+    Mutant(todo=1, what="zigzag pairs chunk r with chunk N - 1 - r (of 2N): both chunks from the first half",
+           find="mirror = 2 * world_size - 1 - rank", replace="mirror = world_size - 1 - rank"),
+    Mutant(todo=1, what="zigzag chunks of T / N tokens instead of T / 2N",
+           find="size = seq_len // (2 * world_size)", replace="size = seq_len // world_size"),
+    Mutant(todo=1, what="contiguous: every rank numbers its chunk from 0 (local places, not the sequence's)",
+           find="        return torch.arange(rank * size, (rank + 1) * size)\n",
+           replace="        return torch.arange(size)\n"),
+    Mutant(todo=1, what="zigzag pairs chunk r with chunk N + r (a shift, not the mirror): still unbalanced",
+           find="mirror = 2 * world_size - 1 - rank", replace="mirror = world_size + rank"),
+    # TODO 2: one block's attention with its log-sum-exp
+    Mutant(todo=2, what="masks by the places inside the block instead of the global positions",
+           find="hidden = k_positions[None, :] > q_positions[:, None]",
+           replace="hidden = torch.arange(k.shape[-2])[None, :] > torch.arange(q.shape[-2])[:, None]"),
+    Mutant(todo=2, what="forgets the 1 / sqrt(d) scaling of the scores",
+           find="scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])",
+           replace="scores = q @ k.transpose(-2, -1)"),
+    Mutant(todo=2, what="the running maximum taken for the log-sum-exp (the softmax is never normalised)",
+           find="lse = torch.logsumexp(scores, dim=-1)", replace="lse = scores.amax(dim=-1)"),
+    Mutant(todo=2, what="hides the query's own position too (>= instead of >)",
+           find="hidden = k_positions[None, :] > q_positions[:, None]",
+           replace="hidden = k_positions[None, :] >= q_positions[:, None]"),
+    Mutant(todo=2, what="the log-sum-exp taken before the mask (over every key of the block, later ones too)",
+           find=MASK + LSE, replace=LSE + MASK),
+    Mutant(todo=2, what="log(sum(exp(scores))) written out: overflows for large scores (and float16's tens)",
+           find=LSE, replace="    lse = scores.exp().sum(dim=-1).log()\n"),
+    Mutant(todo=2, what="hides later keys with -1e4 instead of -inf: wrong for a row that sees nothing or scores lower",
+           find=MASK, replace="    scores = scores.masked_fill(hidden, -1e4)\n"),
+    Mutant(todo=2, what="exp(scores - lse) without the guard: a query that sees no key of the block gets nan",
+           find="return torch.exp(scores - shift[..., None]) @ v, lse",
+           replace="return torch.exp(scores - lse[..., None]) @ v, lse"),
+    # TODO 3: merging a block into the running output
+    Mutant(todo=3, what="forgets to rescale the running output",
+           find="out = out * torch.exp(lse - shift)[..., None] + block_out",
+           replace="out = out + block_out"),
+    Mutant(todo=3, what="keeps the running maximum instead of the log-sum-exp",
+           find="new_lse = torch.logaddexp(lse, block_lse)", replace="new_lse = torch.maximum(lse, block_lse)"),
+    Mutant(todo=3, what="log(exp + exp) written out: overflows to inf for scores in the hundreds",
+           find="new_lse = torch.logaddexp(lse, block_lse)",
+           replace="new_lse = torch.log(torch.exp(lse) + torch.exp(block_lse))"),
+    Mutant(todo=3, what="returns the old log-sum-exp: the next block is weighed against a stale normaliser",
+           find="    return out, new_lse\n", replace="    return out, lse\n"),
+    Mutant(todo=3, what="no guard: a query that has seen no key in either gets exp(-inf - -inf) = nan",
+           find="out = out * torch.exp(lse - shift)[..., None] + block_out * torch.exp(block_lse - shift)[..., None]",
+           replace="out = out * torch.exp(lse - new_lse)[..., None] + block_out * torch.exp(block_lse - new_lse)"
+           "[..., None]"),
+    # TODO 4: the ring forward
+    Mutant(todo=4, what="sends to rank - 1 while receiving from rank - 1 (the ring never closes)",
+           find=FORWARD_STEP,
+           replace=FORWARD_STEP.replace(f"pending = {POST}", "pending = ring.start(kv, send_to=previous_rank, "
+                                        "receive_from=previous_rank)", 1)),
+    Mutant(todo=4, what="takes the block it holds at step s for rank + s's (the ring turns the other way)",
+           find=f"        owner = (ring.rank - step) % ring.size\n        if step < ring.size - 1:\n"
+                f"            pending = {POST}\n        k_positions",
+           replace=f"        owner = (ring.rank + step) % ring.size\n        if step < ring.size - 1:\n"
+                   f"            pending = {POST}\n        k_positions"),
+    Mutant(todo=4, what="computes the blocks entirely in the future too (no causal skip)",
+           find=SKIP, replace=""),
+    Mutant(todo=4, what="no overlap: computes, then posts the exchange and waits for it at once",
+           find=FORWARD_STEP,
+           replace=FORWARD_STEP.replace(f"            pending = {POST}\n", "            pass\n")
+           .replace("kv = pending.wait()", f"kv = {POST}.wait()")),
+    Mutant(todo=4, what="forwards its own keys and values at every hop, not the block it holds",
+           find=FORWARD_STEP, replace=FORWARD_STEP.replace(f"pending = {POST}", f"pending = {POST}".replace(
+               "ring.start(kv,", "ring.start(torch.stack([k, v]),"))),
+    Mutant(todo=4, what="skips a block when its first key is not before the last query (>=): loses the diagonal",
+           find=SKIP, replace=SKIP.replace("> positions[qs][-1]", ">= positions[qs][-1]")),
+    Mutant(todo=4, what="never calls ring.count: the work per rank is not recorded",
+           find="                ring.count(positions[qs], k_positions[ks])\n                block = block_attention(",
+           replace="                block = block_attention("),
+    # TODO 5: the ring backward
+    Mutant(todo=5, what="the keys' and values' gradients never travel: each rank keeps the last block's share",
+           find=GRADIENT_HOP,
+           replace="        if step < ring.size - 1:\n            kv = pending.wait()\n"),
+    Mutant(todo=5, what="the gradients travel the other way round the ring from their blocks",
+           find="        travelling = ring.start(d_kv, send_to=next_rank, receive_from=previous_rank)\n",
+           replace="        travelling = ring.start(d_kv, send_to=previous_rank, receive_from=next_rank)\n"),
+    Mutant(todo=5, what="no last hop: each rank ends with its neighbour's gradients, not its own",
+           find="    d_kv = travelling.wait()  # this rank's own block",
+           replace="    d_kv = d_kv + 0 * travelling.wait()  # this rank's own block"),
+    Mutant(todo=5, what="waits for the previous rank's share of the held block but does not add it",
+           find="            d_kv += travelling.wait()", replace="            travelling.wait()"),
+    Mutant(todo=5, what="one gradient buffer for every step: the held block's gradient carries the previous block's",
+           find="        d_kv = torch.zeros_like(kv)  # this rank's share of the held block's gradient\n",
+           replace="        d_kv = torch.zeros_like(kv) if step == 0 else d_kv.clone()\n"),
+    Mutant(todo=5, what="each block's query gradient overwrites the previous ones instead of adding",
+           find="d_q[..., qs, :] += d_q_piece", replace="d_q[..., qs, :] = d_q_piece"),
+    Mutant(todo=5, what="each block's key gradient overwrites what the other query piece added",
+           find="d_kv[0][..., ks, :] += d_k_piece", replace="d_kv[0][..., ks, :] = d_k_piece"),
+    Mutant(todo=5, what="skips a block when its first key is not before the last query (>=): loses the diagonal",
+           find="                if k_positions[ks][0] > positions[qs][-1]:\n                    continue\n",
+           replace="                if k_positions[ks][0] >= positions[qs][-1]:\n                    continue\n"),
+    # TODO 6: the sequence split becomes a head split
+    Mutant(todo=6, what="cuts the batch axis instead of moving the head groups first (block j is not rank j's)",
+           find="blocks = x.reshape(batch, world_size, heads // world_size, tokens, head_dim).transpose(0, 1)",
+           replace="blocks = x.reshape(world_size, batch, heads // world_size, tokens, head_dim)"),
+    Mutant(todo=6, what="deals the heads round-robin (head h to rank h mod N) instead of in groups",
+           find="blocks = x.reshape(batch, world_size, heads // world_size, tokens, head_dim).transpose(0, 1)",
+           replace="blocks = x.reshape(batch, heads // world_size, world_size, tokens, head_dim)"
+                   ".permute(2, 0, 1, 3, 4)"),
+    Mutant(todo=6, what="merges the received tokens token by token, not rank by rank (interleaves the ranks)",
+           find="return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // world_size, world_size * tokens, ",
+           replace="return received.permute(1, 2, 3, 0, 4).reshape(batch, heads // world_size, world_size * tokens, "),
+    # TODO 7: the head split becomes the sequence split again
+    Mutant(todo=7, what="sends its tokens back cut token by token (round-robin), not in the ranks' chunks",
+           find="blocks = y.reshape(batch, heads, world_size, tokens // world_size, head_dim).permute(2, 0, 1, 3, 4)",
+           replace="blocks = y.reshape(batch, heads, tokens // world_size, world_size, head_dim)"
+                   ".permute(3, 0, 1, 2, 4)"),
+    Mutant(todo=7, what="merges the received heads head by head, not rank by rank (interleaves the ranks' heads)",
+           find="return received.transpose(0, 1).reshape(batch, world_size * heads, tokens // world_size, head_dim)",
+           replace="return received.permute(1, 2, 0, 3, 4).reshape(batch, world_size * heads, tokens // world_size, "
+                   "head_dim)"),
+    # TODO 8: Ulysses attention
+    Mutant(todo=8, what="causal attention on the tokens in rank order (right for contiguous, wrong for zigzag)",
+           find=ORDERED, replace="q, k, v, is_causal=True"),
+    Mutant(todo=8, what="forgets to put the output back in rank order",
+           find="heads_to_sequence(out[..., torch.argsort(order), :], world_size, all_to_all)",
+           replace="heads_to_sequence(out, world_size, all_to_all)"),
+    Mutant(todo=8, what="puts the output back with the same permutation instead of its inverse",
+           find="heads_to_sequence(out[..., torch.argsort(order), :], world_size, all_to_all)",
+           replace="heads_to_sequence(out[..., order, :], world_size, all_to_all)"),
+    Mutant(todo=8, what="no causal mask: every token sees the whole sequence",
+           find=ORDERED, replace=ORDERED.replace("is_causal=True", "is_causal=False")),
+]  # fmt: skip
+
+VARIANTS = [  # correct answers, written another way: every TODO's check must pass them
+    Mutant(todo=2, what="the softmax itself, its nan (a row that sees nothing) made 0",
+           find="    shift = lse.masked_fill(lse == float(\"-inf\"), 0.0)  # a row that sees no key: every weight "
+                "exp(-inf) = 0\n    return torch.exp(scores - shift[..., None]) @ v, lse\n",
+           replace="    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v, lse\n"),
+    Mutant(todo=2, what="the log-sum-exp written out around each row's maximum",
+           find=LSE + "    shift = lse.masked_fill(lse == float(\"-inf\"), 0.0)",
+           replace="    top = scores.amax(dim=-1).clamp(min=torch.finfo(scores.dtype).min)\n"
+                   "    lse = top + torch.exp(scores - top[..., None]).sum(dim=-1).log()\n"
+                   "    shift = torch.where(torch.isinf(lse), 0.0, lse)"),
+    Mutant(todo=3, what="the running output moved towards the block's by the block's share (a sigmoid)",
+           find="    shift = new_lse.masked_fill(new_lse == float(\"-inf\"), 0.0)  # nothing seen yet: both shares "
+                "exp(-inf) = 0\n    out = out * torch.exp(lse - shift)[..., None] + block_out * torch.exp(block_lse "
+                "- shift)[..., None]\n",
+           replace="    share = torch.sigmoid(block_lse - lse).nan_to_num(0.0)[..., None]  # nan: neither saw a key\n"
+                   "    out = out + share * (block_out - out)\n"),
+    Mutant(todo=4, what="keys and values as two messages a hop",
+           find=FORWARD_STEP, replace=TWO_MESSAGES_FORWARD),
+    Mutant(todo=4, what="one masked block per step (the whole chunks) instead of 2 x 2 pieces",
+           find=FORWARD_STEP, replace=ONE_BLOCK_FORWARD),
+    Mutant(todo=5, what="the gradient hop waited for at once (synchronous), the held block's gradient in one buffer",
+           find=BACKWARD_STEP,
+           replace=BACKWARD_STEP.replace(D_KV, "        d_kv = torch.zeros_like(kv) if step == 0 else d_kv\n")
+           .replace(GRADIENT_HOP, SYNCHRONOUS_HOP)),
+    Mutant(todo=5, what="one masked block per step (the whole chunks) instead of 2 x 2 pieces",
+           find=BACKWARD_BLOCKS, replace=ONE_BLOCK_BACKWARD),
+    Mutant(todo=5, what="keys and values as two messages a hop",
+           find=BACKWARD_STEP,
+           replace=BACKWARD_STEP.replace(
+               f"            pending = {POST}\n",
+               "            pending = [ring.start(kv[i], send_to=next_rank, receive_from=previous_rank)"
+               " for i in range(2)]\n",
+           ).replace("            kv = pending.wait()\n",
+                     "            kv = torch.stack([p.wait() for p in pending])\n")),
+    Mutant(todo=6, what="the head groups cut with chunk and stacked, the tokens joined with cat",
+           find="    blocks = x.reshape(batch, world_size, heads // world_size, tokens, head_dim).transpose(0, 1)\n"
+                "    received = all_to_all(blocks)\n"
+                "    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // world_size, world_size * tokens, "
+                "head_dim)\n",
+           replace="    received = all_to_all(torch.stack(x.chunk(world_size, dim=1)))\n"
+                   "    return torch.cat(received.unbind(0), dim=2)\n"),
+    Mutant(todo=8, what="a mask from the places instead of putting the tokens in order",
+           find="    order = torch.argsort(torch.cat(all_positions))  # the gathered tokens, rank by rank -> sequence "
+                "order\n    out = F.scaled_dot_product_attention(" + ORDERED + ")\n"
+                "    return heads_to_sequence(out[..., torch.argsort(order), :], world_size, all_to_all)\n",
+           replace="    places = torch.cat(all_positions)\n"
+                   "    seen = places[None, :] <= places[:, None]\n"
+                   "    out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)\n"
+                   "    return heads_to_sequence(out, world_size, all_to_all)\n"),
+]  # fmt: skip

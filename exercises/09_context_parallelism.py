@@ -1,0 +1,343 @@
+# Exercise for lesson 09: complete the numbered TODOs. (This file is generated from
+# solutions/09_context_parallelism.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+"""Lesson 09: long sequences. Context parallelism, ring attention and Ulysses from scratch, then torch's built-in.
+
+A sequence whose activations do not fit on one rank is cut over N ranks; each rank embeds, projects and predicts its
+own tokens. Attention is the one place where a token needs the others, and there are two ways to bring them:
+- ring attention (--impl ring): the keys and values travel around a ring of ranks while each rank folds every block
+  it receives into its queries' running softmax; backward runs the ring again, each block's gradient one hop behind.
+- Ulysses (--impl ulysses): an all-to-all turns the split of the sequence into a split of the heads, attention runs
+  on whole sequences of H/N heads, and a second all-to-all turns it back.
+Every rank holds the whole model: the parameters' gradients are averaged as in lesson 02.
+
+    torchrun --nproc_per_node=4 solutions/09_context_parallelism.py --impl ring --cp-split zigzag
+    torchrun --nproc_per_node=4 solutions/09_context_parallelism.py --impl ulysses
+    torchrun --nproc_per_node=4 solutions/09_context_parallelism.py --impl builtin   # torch's, on GPUs
+"""
+
+import itertools
+import math
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from utils.collective_counter import CollectiveCounter
+from utils.compat import configure_context_parallel
+from utils.data import load_token_dataset
+from utils.distributed_utils import destroy_process_group, print0, run_main, save0, setup
+from utils.lesson_09.measure import gather, run_measurements
+from utils.lesson_09.options import add_options, check_run
+from utils.lesson_09.ring import Ring, context_summary
+from utils.metrics import param_checksum, state_bytes, write_metrics
+from utils.model import build_model, count_parameters, loss_fn
+from utils.training import Logger, Throughput, base_parser, build_optimizer, check_batches, model_config, parse_args
+
+# The split of the sequence, and one block of attention with the online softmax. TODOs 1-3.
+
+
+def chunk_positions(seq_len: int, rank: int, world_size: int, split: str) -> torch.Tensor:
+    """The places in the sequence (0 .. seq_len - 1) of the tokens rank `rank` holds, in increasing order."""
+    # TODO 1: the split of the sequence. "contiguous": cut 0 .. seq_len - 1 into world_size equal chunks and keep
+    #   chunk `rank`. "zigzag": cut it into 2 x world_size equal chunks and keep chunks `rank` and
+    #   2 x world_size - 1 - rank (one from the start, its mirror from the end: under the causal mask, the later
+    #   the chunk, the more keys its queries see, so each rank gets one cheap and one expensive chunk).
+    raise NotImplementedError("TODO 1: the split of the sequence")
+
+
+def pieces(positions: torch.Tensor) -> list[slice]:
+    """A rank's tokens as two pieces, slices of `positions` (its two chunks with zigzag, the two halves of its chunk
+    when contiguous): the unit of the ring's work. A block of a piece of queries against a piece of keys is in the
+    past (computed whole), on the diagonal (computed with the mask) or in the future (skipped)."""
+    half = len(positions) // 2
+    return [piece for piece in (slice(0, half), slice(half, len(positions))) if piece.stop > piece.start]
+
+
+def block_attention(q, k, v, q_positions, k_positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of queries q [..., n, d] on ONE block of keys and values k, v [..., m, d]: the block's
+    output [..., n, d] (the softmax over this block's keys only) and its log-sum-exp [..., n] (the log of what that
+    softmax divided by), all the next blocks need to correct it. A query that sees no key of the block gets the
+    output 0 and the log-sum-exp -inf: it has seen nothing yet."""
+    # TODO 2: one block's attention with its log-sum-exp. Scores q @ k^T / sqrt(d); a key is hidden from a query
+    #   when it comes later in the sequence: compare GLOBAL positions (k_positions > q_positions, broadcast to
+    #   [n, m]), and give those scores -inf. lse = torch.logsumexp of the scores over the keys (it never overflows);
+    #   the output is exp(scores - lse) @ v. A row whose keys are all hidden has lse = -inf: subtract 0 there
+    #   instead (exp(-inf) = 0 gives the output 0; -inf - -inf would give nan).
+    raise NotImplementedError("TODO 2: one block's attention with its log-sum-exp")
+
+
+def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online softmax: fold one block's (output, log-sum-exp) into the running ones of the same queries.
+
+    out is a softmax-weighted mean over the keys merged so far, normalised by exp(lse); block_out the same over the
+    block's keys. Over both, the normaliser is exp(lse) + exp(block_lse), so each part is re-weighted by its share.
+    The running state starts at out = 0, lse = -inf (no keys yet), and a query that has seen no key in either
+    stays there."""
+    # TODO 3: merging a block into the running output. new_lse = log(exp(lse) + exp(block_lse)), computed without
+    #   overflow (torch.logaddexp); then out = out * exp(lse - new_lse) + block_out * exp(block_lse - new_lse) (the
+    #   shares, as [..., n, 1]). Where new_lse is -inf (nothing seen by either), subtract 0 instead, as in TODO 2.
+    #   Return (out, new_lse).
+    raise NotImplementedError("TODO 3: merging a block into the running output")
+
+
+# Ring attention, forward and backward. TODOs 4-5.
+
+
+def ring_attention_forward(q, k, v, positions, all_positions, ring: Ring):
+    """Causal attention of this rank's queries q [B, H, n, d] on the whole sequence's keys and values, which the
+    ranks hold in pieces: k, v are this rank's, all_positions[s] the places of rank s's tokens (positions is
+    all_positions[ring.rank]). Returns (out [B, H, n, d], lse [B, H, n]), what one process's attention gives for
+    these queries. `ring` (utils/lesson_09/ring.py): ring.rank, ring.size; ring.start(tensor, send_to,
+    receive_from) posts an isend/irecv pair and returns at once, .wait() on its result gives the received tensor;
+    ring.count(q_positions, k_positions) records a block about to be computed (the work per rank)."""
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    kv = torch.stack([k, v])  # one message a hop: keys and values travel together
+    next_rank, previous_rank = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
+    # TODO 4: the ring forward. For step in range(ring.size), this rank holds the block of rank
+    #   owner = (ring.rank - step) % ring.size (its own at step 0). Unless it is the last step, FIRST post the next
+    #   exchange, pending = ring.start(kv, send_to=next_rank, receive_from=previous_rank), so that the transfer runs
+    #   while this rank computes. Then, for each query piece qs in pieces(positions) and key piece ks in
+    #   pieces(all_positions[owner]): skip the pair when its first key comes after its last query (no work); else
+    #   ring.count(the pieces' positions), block_attention on the pieces, and merge into out[..., qs, :] and
+    #   lse[..., qs]. Last, kv = pending.wait() (the next block) before the next step.
+    raise NotImplementedError("TODO 4: the ring forward")
+    return out, lse
+
+
+def block_attention_backward(q, k, v, out, d_out, lse, q_positions, k_positions):
+    """What one block contributes to the gradients of q, k and v, given the FINAL out and lse of the queries
+    (after every block was merged): exp(scores - lse) is then the block's share of the true softmax, and
+    delta = sum(d_out * out) is the softmax's correction term, the same for every block."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-2, -1) * scale).masked_fill(k_positions[None, :] > q_positions[:, None], float("-inf"))
+    probabilities = torch.exp(scores - lse[..., None])
+    d_v = probabilities.transpose(-2, -1) @ d_out
+    delta = (d_out * out).sum(dim=-1, keepdim=True)
+    d_scores = probabilities * (d_out @ v.transpose(-2, -1) - delta)
+    return d_scores @ k * scale, d_scores.transpose(-2, -1) @ q * scale, d_v
+
+
+def ring_attention_backward(d_out, q, k, v, out, lse, positions, all_positions, ring: Ring):
+    """The gradients of this rank's q, k, v, given d_out (the gradient of its output). The keys and values travel
+    the ring again; each block's gradient (dK, dV) follows it one hop behind, each rank adding its queries' share,
+    until it has visited every rank and comes home to the block's owner."""
+    kv = torch.stack([k, v])
+    d_q, d_kv = torch.zeros_like(q), torch.zeros_like(kv)  # d_kv: a held block's gradient; at the end, this rank's
+    next_rank, previous_rank = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
+    # TODO 5: the ring backward, with an asynchronous gradient hop. The same steps as TODO 4 (post the next kv
+    #   exchange first unless last, visit and ring.count the same pairs), each block giving
+    #   block_attention_backward(its q, k, v, out, d_out, lse, positions) -> d_q, d_k, d_v pieces: ADD d_q into
+    #   d_q[..., qs, :], d_k and d_v into this step's d_kv (zeros like kv) at [..., ks, :]. From step 1 on, then add
+    #   the held block's gradient that the previous rank sent at its last step (wait for it only now), and post
+    #   this step's sum to the next rank. After the last step, the received gradient is this rank's own dK, dV.
+    raise NotImplementedError("TODO 5: the ring backward, with an asynchronous gradient hop")
+    return d_q, d_kv[0], d_kv[1]
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention as one autograd operation: forward is TODO 4's ring; it saves only this rank's q, k, v, out
+    and lse, and backward runs the ring again (TODO 5). Autograd through the ring would keep every block's scores
+    and every block received (the whole sequence's keys and values on every rank: what CP is there to split), and
+    could not send a block's gradient back to the rank that owns it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, all_positions, ring):
+        with ring.timed("forward"):  # its counts, seconds and timeline (utils/lesson_09/ring.py)
+            out, lse = ring_attention_forward(q, k, v, positions, all_positions, ring)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.positions, ctx.all_positions, ctx.ring = positions, all_positions, ring
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        with ctx.ring.timed("backward"):
+            grads = ring_attention_backward(d_out.contiguous(), q, k, v, out, lse, ctx.positions, ctx.all_positions,
+                                            ctx.ring)  # fmt: skip
+        return *grads, None, None, None
+
+
+# Ulysses: two all-to-alls turn the sequence split into a head split and back. TODOs 6-8.
+
+
+class AllToAll(torch.autograd.Function):
+    """blocks [N, ...] -> [N, ...] over the ranks of `group`: block j goes to rank j, and block j of the result came
+    from rank j (all_to_all_single, equal splits). Its gradient takes the same exchange: moving block j of rank i to
+    block i of rank j is a permutation that is its own transpose."""
+
+    @staticmethod
+    def forward(ctx, blocks, group):
+        ctx.group = group
+        received = torch.empty_like(blocks, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(received, blocks.contiguous(), group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return AllToAll.forward(ctx, gradient, ctx.group), None
+
+
+def sequence_to_heads(x: torch.Tensor, world_size: int, all_to_all) -> torch.Tensor:
+    """[B, H, n, d]: this rank's n tokens of every head -> [B, H/N, N n, d]: every rank's tokens (rank 0's, then
+    rank 1's, ...) of this rank's H/N heads (rank r's are heads r H/N to (r+1) H/N - 1). all_to_all(blocks [N, ...])
+    sends block j to rank j and returns [N, ...], block j from rank j."""
+    # TODO 6: the sequence split becomes a head split. Cut the heads into N groups of H/N and make the group axis
+    #   the first: [N, B, H/N, n, d] (reshape, then move the axis), so that group j goes to rank j. all_to_all
+    #   returns [N, B, H/N, n, d], block j being rank j's n tokens of this rank's heads: put the rank axis next to
+    #   the tokens and merge them, rank by rank: [B, H/N, N n, d].
+    raise NotImplementedError("TODO 6: the sequence split becomes a head split")
+
+
+def heads_to_sequence(y: torch.Tensor, world_size: int, all_to_all) -> torch.Tensor:
+    """The way back: [B, H/N, N n, d], every rank's tokens of this rank's heads -> [B, H, n, d], this rank's tokens
+    of every head (sequence_to_heads undone)."""
+    # TODO 7: the head split becomes the sequence split again. Cut the N n tokens into the N ranks' n and make
+    #   that axis the first: [N, B, H/N, n, d] (block j holds rank j's tokens: it goes back to rank j). all_to_all
+    #   returns block j = this rank's tokens of rank j's heads: put the rank axis next to the heads and merge them,
+    #   rank by rank: [B, H, n, d].
+    raise NotImplementedError("TODO 7: the head split becomes the sequence split again")
+
+
+def ulysses_attention(q, k, v, all_positions, all_to_all) -> torch.Tensor:
+    """Causal attention of this rank's tokens q, k, v [B, H, n, d] (at the places all_positions[rank]) on the whole
+    sequence, by Ulysses: out [B, H, n, d], what one process's attention gives for them."""
+    world_size = len(all_positions)
+    # TODO 8: Ulysses attention. Turn q, k and v into head splits (TODO 6): each then holds the whole sequence
+    #   for H/N heads, its tokens in rank order (all_positions concatenated gives their places). Put them in
+    #   sequence order (torch.argsort of those places), run F.scaled_dot_product_attention(is_causal=True) on
+    #   whole sequences (any attention kernel: a fused one keeps no scores), put the output back in rank order,
+    #   and turn it into this rank's tokens of every head (TODO 7).
+    raise NotImplementedError("TODO 8: Ulysses attention")
+
+
+# The model, the built-in, and training
+
+
+class ContextParallelAttention(nn.Module):
+    """The course model's attention layer (the same projection modules, so the same parameters and names) with
+    `attend(q, k, v)` (ring attention or Ulysses on this rank's tokens) where it called
+    F.scaled_dot_product_attention(is_causal=True) on the whole sequence."""
+
+    def __init__(self, attention: nn.Module, attend):
+        super().__init__()
+        self.head_dim, self.attend = attention.head_dim, attend
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+
+        def heads(projection):  # [B, n, H*hd] -> [B, H, n, hd]
+            return projection.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+
+        out = self.attend(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+
+
+def builtin_step(model, inputs, targets, mesh, split: str) -> torch.Tensor:
+    """torch's context_parallel (GPU only): inside it, each rank keeps its share of the buffers (cut in place along
+    their sequence dimension, head-tail for zigzag) and every F.scaled_dot_product_attention becomes a ring
+    attention over the mesh, the keys and values passed block by block."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    configure_context_parallel(load_balance=split == "zigzag", rotate_method="alltoall")
+    positions = torch.arange(inputs.shape[1], device=inputs.device)
+    buffers = [inputs, targets, positions]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(buffers)):
+        loss = loss_fn(model(inputs, positions), targets)
+        loss.backward()
+    return loss
+
+
+def average_gradients(model: nn.Module):
+    """Every rank holds the whole model and the gradient of its own tokens' loss: average them, as in lesson 02.
+    (Each rank's loss is the mean over its B x T/N tokens, so the mean of the N losses is the whole batch's.)"""
+    gradients = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in gradients])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+    for gradient, average in zip(gradients, flat.split([g.numel() for g in gradients])):
+        gradient.copy_(average.view_as(gradient))
+
+
+def main():
+    parser = base_parser(__doc__.splitlines()[0], without=("--autocast",))  # fp32 only: parity is exact
+    add_options(parser)  # --impl, --cp-split (utils/lesson_09/options.py)
+    args = parse_args(parser)
+    _, rank, device, world_size = setup(args.seed)
+    check_run(args, world_size, device)  # one line for what cannot run (a split, the heads, the built-in on CPU)
+    all_positions = [chunk_positions(args.seq_len, r, world_size, args.cp_split).to(device) for r in range(world_size)]
+    positions = all_positions[rank]
+    config = model_config(args)
+    model = build_model(config, seed=args.seed).to(device)
+    ring = Ring(rank, world_size)
+    attend = {
+        "ring": lambda q, k, v: RingAttention.apply(q, k, v, positions, all_positions, ring),
+        "ulysses": lambda q, k, v: ulysses_attention(q, k, v, all_positions, lambda b: AllToAll.apply(b, None)),
+    }
+    if args.impl in attend:
+        for block in model.blocks:
+            block.attention = ContextParallelAttention(block.attention, attend[args.impl])
+    else:
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("cp",))
+    optimizer = build_optimizer(model.parameters(), args)
+    print0(
+        f"{world_size} ranks, each with {len(positions)} of every sequence's {args.seq_len} tokens (--cp-split "
+        f"{args.cp_split}: rank 0 holds places {context_summary(positions.cpu())}) | --impl {args.impl} | batch "
+        f"{args.batch_size} | model: {count_parameters(config):,} parameters | device {device.type}"
+    )
+
+    train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train), args)  # every rank reads the same sequences: the batch is --batch-size
+    generator = torch.Generator().manual_seed(args.seed)  # lesson 00's order of batches
+    loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                                         generator=generator)  # fmt: skip
+    logger, throughput, losses = Logger(args, total_steps=args.steps), Throughput(device), []
+    counter = CollectiveCounter() if args.impl == "ulysses" else None  # the all-to-alls' bytes (slow: one step)
+    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches):
+        inputs, targets = inputs.to(device), targets.to(device)
+        optimizer.zero_grad(set_to_none=True)
+        with counter.phase("step") if counter and step == 1 else nullcontext():
+            if args.impl == "builtin":
+                loss = builtin_step(model, inputs, targets, mesh, args.cp_split)
+            else:  # this rank's tokens of every sequence, at their places in it
+                loss = loss_fn(model(inputs[:, positions], positions), targets[:, positions])
+                loss.backward()
+        average_gradients(model)
+        optimizer.step()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the mean over every token of the batch
+        losses.append(loss.item())
+        throughput.step(args.batch_size * args.seq_len)  # (the built-in cuts `inputs` in place)
+        logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)
+        if step % args.log_every == 0 or step == args.steps:
+            print0(f"step {step:4d}  loss {losses[-1]:.4f}")
+    logger.close()
+
+    if args.checkpoint:
+        save0({"model": model.state_dict(), "config": vars(config)}, args.checkpoint)
+        print0(f"saved the model to {args.checkpoint}")
+    measured = run_measurements(args, ring, counter, RingAttention.apply, chunk_positions, device)
+    # measured: the ring's work, bytes, time, timeline and memory, or Ulysses' bytes (utils/lesson_09/measure.py)
+    write_metrics(args.metrics_out, final_loss=losses[-1], losses=losses, steps=len(losses),
+                  tokens_per_s=throughput.tokens_per_s, param_checksum=param_checksum(model),
+                  bytes_per_rank=gather(state_bytes(model, optimizer)), batch_size=args.batch_size,
+                  seq_len=args.seq_len, impl=args.impl, cp_split=args.cp_split, optimizer=args.optimizer,
+                  dataset=args.dataset, positions=[p.tolist() for p in all_positions], **measured)  # fmt: skip
+    print0(f"throughput: {throughput.tokens_per_s:,.0f} tokens/s on {world_size} x {device.type}")
+    print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
+    del optimizer, model
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,386 @@
+"""Lesson 10: mixture of experts, split over the ranks (expert parallelism).
+
+A mixture-of-experts (MoE) block holds E MLPs (the experts) and a router that sends each token to k of them: the
+model holds E times the MLP's parameters while a token costs about k MLPs. Expert parallelism (EP) puts different
+experts on different ranks. Tokens live where their sequence is and experts where their weights are, so in every
+MoE layer one all-to-all sends each token to the ranks of its experts and a second one brings the results back.
+
+What travels, two ways (--dispatch):
+- padded (GShard, Switch): an expert takes at most `capacity` tokens from each rank, the rest are dropped, and every
+  buffer has the fixed shape [E, capacity, D]: the all-to-all's sizes are known before the step (static shapes).
+- dropless (MegaBlocks, Megatron-Core): every choice travels; the ranks first exchange how many rows each sends
+  (uneven splits), and a rank whose experts are popular receives more rows than the others.
+
+Every rank keeps a copy of everything else (attention, norms, embeddings, routers, head), trained data-parallel.
+
+    torchrun --nproc_per_node=4 solutions/10_mixture_of_experts.py --experts 8 --top-k 2
+    torchrun --nproc_per_node=4 solutions/10_mixture_of_experts.py --experts 8 --dispatch padded --capacity-factor 1
+"""
+
+import math
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as distributed_autograd
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+
+from utils.collective_counter import CollectiveCounter
+from utils.data import load_token_dataset
+from utils.distributed_utils import destroy_process_group, print0, run_main, save0, setup
+from utils.lesson_10.options import add_expert_options, check_experts, check_options
+from utils.lesson_10.record import ExpertRecord, full_weights, timed
+from utils.lesson_10.reference import EXPERT_WEIGHTS, build_experts, build_router
+from utils.metrics import state_bytes, write_metrics
+from utils.model import build_model, loss_fn
+from utils.training import Logger, Throughput, base_parser, build_optimizer, check_batches, model_config, parse_args
+
+# Rank r of N holds experts r E/N ... (r+1) E/N - 1 of every MoE layer. In each layer, each rank routes its own
+# tokens (TODO 1); with --dispatch padded it keeps each expert's first `capacity` choices (TODO 2) and sends fixed
+# buffers, with dropless it sends every choice, the counts first (TODO 3); its experts run on what arrived, and the
+# results come back to their tokens, weighted by the gates (TODO 4). After backward: the gradients (TODO 5).
+
+
+@dataclass
+class Routing:
+    """The router's decisions for T tokens (one rank's), and the load-balancing loss they cost."""
+
+    experts: torch.Tensor  # [T, k] each token's experts, most probable first
+    gates: torch.Tensor  # [T, k] the weights of their outputs
+    aux_loss: torch.Tensor  # E x sum_e f_e x P_e (see route)
+
+
+def route(logits: torch.Tensor, k: int) -> Routing:
+    """logits [T, E] (the router's output for T tokens) -> each token's top-k experts, their gates, the loss."""
+    # TODO 1: the router: top-k experts, their gates, and the load-balancing loss. Softmax over the E logits, each
+    #   token's k most probable experts (topk). Gates: at k = 1 the probability itself (Switch: a gate of 1 would
+    #   teach the router nothing), at k > 1 the k probabilities renormalised to sum to 1. Loss (Switch): E x sum_e
+    #   f_e P_e, f_e the fraction of the T x k choices picking e (a count), P_e its mean probability.
+    # BEGIN SOLUTION
+    n_experts = logits.shape[-1]
+    probs = logits.softmax(dim=-1)
+    top, experts = probs.topk(k, dim=-1)
+    gates = top if k == 1 else top / top.sum(dim=-1, keepdim=True)
+    f = torch.bincount(experts.flatten(), minlength=n_experts).to(probs.dtype) / experts.numel()
+    P = probs.mean(dim=0)
+    aux_loss = n_experts * (f * P).sum()
+    return Routing(experts, gates, aux_loss)
+    # END SOLUTION
+
+
+def keep_within_capacity(experts: torch.Tensor, n_experts: int, capacity_factor: float):
+    """experts [T, k] -> (kept [T, k], slots [T, k], capacity). A choice's slot is its place in its expert's queue;
+    it is kept when slot < capacity. Served in priority order: every token's first choice, then every token's
+    second, ...; tokens in order. Each rank decides for its own T tokens, before any communication."""
+    # TODO 2: the capacity and each choice's place in its expert's queue. capacity = ceil(C x T x k / E). Read the
+    #   choices column by column (the priority order); a choice's slot counts the earlier choices of the same expert
+    #   (F.one_hot, cumsum, gather). Return (slots < capacity, slots, capacity): the first two are [T, k].
+    # BEGIN SOLUTION
+    n_tokens, k = experts.shape
+    capacity = math.ceil(capacity_factor * n_tokens * k / n_experts)
+    in_order = experts.t().flatten()
+    positions = (F.one_hot(in_order, n_experts).cumsum(dim=0) - 1).gather(1, in_order[:, None]).squeeze(1)
+    slots = positions.view(k, n_tokens).t()
+    return slots < capacity, slots, capacity
+    # END SOLUTION
+
+
+def dispatch_padded(tokens, routing: Routing, kept, slots, capacity: int, n_experts: int, exchange, group=None):
+    """GShard's static shapes: each kept choice's token goes to its slot of its expert's buffer [E, capacity, D]
+    (zeros where no token came), and one all-to-all with equal splits gives each rank its experts' buffers from
+    every rank. Returns [E/N, N x capacity, D]: for each of this rank's experts, rank 0's slots, rank 1's, ..."""
+    world_size, dim = dist.get_world_size(group), tokens.shape[1]
+    token = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(routing.experts)
+    buffer = tokens.new_zeros(n_experts, capacity, dim).index_put((routing.experts[kept], slots[kept]),
+                                                                  tokens[token[kept]])  # fmt: skip
+    splits = [n_experts // world_size * capacity] * world_size  # the same every step: no counts to exchange
+    received = exchange(buffer.view(-1, dim), splits, splits, group)
+    return received.view(world_size, n_experts // world_size, capacity, dim).transpose(0, 1).flatten(1, 2)
+
+
+def combine_padded(results, routing: Routing, kept, slots, capacity: int, n_experts: int, exchange, group=None):
+    """The experts' results [E/N, N x capacity, D] back to their ranks (the same equal splits), and each kept
+    choice's result, weighted by its gate, added to its token -> [T, D]. The empty slots' results are never read."""
+    world_size, dim = dist.get_world_size(group), results.shape[-1]
+    back = results.view(n_experts // world_size, world_size, capacity, dim).transpose(0, 1).reshape(-1, dim)
+    splits = [n_experts // world_size * capacity] * world_size
+    back = exchange(back, splits, splits, group).view(n_experts, capacity, dim)
+    token = torch.arange(routing.experts.shape[0], device=results.device)[:, None].expand_as(routing.experts)
+    weighted = back[routing.experts[kept], slots[kept]] * routing.gates[kept][:, None]
+    return weighted.new_zeros(routing.experts.shape[0], dim).index_add(0, token[kept], weighted)
+
+
+@dataclass
+class Plan:
+    """How the choices travelled in the dropless dispatch, so that the combine can bring their results back."""
+
+    order: torch.Tensor  # [T k] the choices' indices into the flattened [T, k] routing, in the order sent
+    send_splits: list[int]  # rows sent to each rank
+    recv_splits: list[int]  # rows received from each rank
+    recv_counts: torch.Tensor  # [N, E/N] rows received from each rank for each of this rank's experts
+
+
+def dispatch(tokens, routing: Routing, n_experts: int, exchange, group=None) -> tuple[torch.Tensor, Plan]:
+    """Dropless: send every choice's token [D] to the rank holding its expert. Returns the rows this rank's experts
+    must process, grouped by source rank and within each by expert, as torch's all-to-all delivers them (with the
+    plan). `exchange(rows, output_splits, input_splits, group)` is the differentiable all-to-all."""
+    world_size, k = dist.get_world_size(group), routing.experts.shape[1]
+    # TODO 3: the counts, then the rows (uneven splits). Order the T x k choices by expert, so each rank's rows are
+    #   contiguous. Nobody knows yet what it will receive: exchange the per-expert counts first
+    #   (dist.all_to_all_single), then send the choices' tokens with `exchange`. Expert e lives on rank e // (E/N).
+    # BEGIN SOLUTION
+    flat_experts = routing.experts.flatten()
+    order = torch.argsort(flat_experts, stable=True)
+    counts = torch.bincount(flat_experts, minlength=n_experts)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    send_splits = counts.view(world_size, -1).sum(1).tolist()
+    recv_splits = recv_counts.view(world_size, -1).sum(1).tolist()
+    received = exchange(tokens[order // k], recv_splits, send_splits, group)
+    return received, Plan(order, send_splits, recv_splits, recv_counts.view(world_size, -1))
+    # END SOLUTION
+
+
+def combine(results, plan: Plan, routing: Routing, n_tokens: int, exchange, group=None) -> torch.Tensor:
+    """Dropless: the experts' results [R, D] back to the ranks that sent the rows -> this rank's output [T, D]."""
+    k = routing.experts.shape[1]
+    # TODO 4: the way back. Send the results back with `exchange`, the dispatch's splits swapped: they return in the
+    #   order this rank sent them (plan.order). Weight each by its choice's gate and add it to its token's row of a
+    #   [T, D] output of zeros (index_add: a token with k choices gets k results).
+    # BEGIN SOLUTION
+    back = exchange(results, plan.send_splits, plan.recv_splits, group)
+    gates = routing.gates.flatten()[plan.order]
+    output = back.new_zeros(n_tokens, back.shape[1])
+    return output.index_add(0, plan.order // k, back * gates[:, None])
+    # END SOLUTION
+
+
+class Experts(nn.Module):
+    """n experts (each an MLP of the course model's shape: up, GELU, down) with their weights stacked, [n, D, H] and
+    [n, H, D]: x [n, R, D] (R rows for each expert) -> [n, R, D], every expert at once in two batched matmuls."""
+
+    def __init__(self, weights: dict):
+        super().__init__()
+        for name in EXPERT_WEIGHTS:
+            setattr(self, name, nn.Parameter(weights[name]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(torch.baddbmm(self.up_bias[:, None], x, self.up_weight))
+        return torch.baddbmm(self.down_bias[:, None], hidden, self.down_weight)
+
+
+def run_experts(received: torch.Tensor, plan: Plan, experts: Experts) -> torch.Tensor:
+    """Dropless: this rank's experts on the rows received, in the order they arrived. One batched matmul instead of
+    one small matmul per (source rank, expert): the rows are grouped by expert and padded to the busiest one here
+    (a grouped GEMM, as in MegaBlocks or Megatron-Core, runs the uneven groups without the padding)."""
+    sources, local = plan.recv_counts.shape
+    expert = torch.arange(local, device=received.device).repeat(sources).repeat_interleave(plan.recv_counts.flatten())
+    grouped = torch.argsort(expert, stable=True)  # expert 0's rows from every source, then expert 1's, ...
+    per_expert = plan.recv_counts.sum(0)
+    batch = pad_sequence(received[grouped].split(per_expert.tolist()), batch_first=True)  # [E/N, busiest, D]
+    filled = torch.arange(batch.shape[1], device=received.device) < per_expert[:, None]
+    return experts(batch)[filled][torch.argsort(grouped)]
+
+
+def synchronize_gradients(replicated: list, experts: list, group=None):
+    """After backward: every rank holds its own loss's gradients (the mean over its tokens). The objective is the
+    mean of the ranks' losses (the global batch's mean)."""
+    world_size = dist.get_world_size(group)
+    # TODO 5: the gradients. The replicated parameters have one gradient per rank: average them over the ranks
+    #   (lesson 02; one flat buffer). An expert's gradient already sums what came back from every rank's tokens,
+    #   each rank's loss a mean over its own: N times the global mean's, so divide it. Never all-reduce it.
+    # BEGIN SOLUTION
+    gradients = [p.grad for p in replicated]
+    flat = torch.cat([g.flatten() for g in gradients])
+    dist.all_reduce(flat, group=group)
+    flat /= world_size
+    for gradient, average in zip(gradients, flat.split([g.numel() for g in gradients])):
+        gradient.copy_(average.view_as(gradient))
+    for p in experts:
+        p.grad /= world_size
+    # END SOLUTION
+
+
+class AllToAll(torch.autograd.Function):
+    """dist.all_to_all_single as an autograd function: the gradients take the way back (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, rows, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        output = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+        dist.all_to_all_single(output, rows.contiguous(), output_splits, input_splits, group=group)
+        return output
+
+    @staticmethod
+    def backward(ctx, gradient):
+        output_splits, input_splits = ctx.splits
+        back = gradient.new_empty((sum(input_splits), *gradient.shape[1:]))
+        dist.all_to_all_single(back, gradient.contiguous(), input_splits, output_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def exchange_scratch(rows, output_splits, input_splits, group=None):
+    return AllToAll.apply(rows, output_splits, input_splits, group)
+
+
+def exchange_builtin(rows, output_splits, input_splits, group=None):
+    """torch.distributed.nn.functional.all_to_all_single: torch's autograd form of the same collective."""
+    output = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+    return distributed_autograd.all_to_all_single(output, rows.contiguous(), output_splits, input_splits, group=group)
+
+
+EXCHANGES = {"scratch": exchange_scratch, "builtin": exchange_builtin}
+
+
+class MoEMLP(nn.Module):
+    """A block's MLP as a mixture of experts whose experts are split over the ranks of `group` (a drop-in for
+    utils.model.MLP: [B, T, D] -> [B, T, D]). After each forward, what utils/lesson_10/record.py records."""
+
+    def __init__(self, router, experts: Experts, n_experts: int, k: int, capacity_factor, exchange, group=None):
+        super().__init__()
+        self.router, self.experts, self.n_experts, self.k = router, experts, n_experts, k
+        self.capacity_factor, self.exchange, self.group = capacity_factor, exchange, group  # factor None: dropless
+        self.seconds = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        routing, exchange, group = route(self.router(tokens), self.k), self.exchange, self.group
+        if self.capacity_factor is not None:
+            kept, slots, capacity = keep_within_capacity(routing.experts, self.n_experts, self.capacity_factor)
+            received = dispatch_padded(tokens, routing, kept, slots, capacity, self.n_experts, exchange, group)
+            with timed(self.seconds, "experts", x.device):
+                results = self.experts(received)
+            with timed(self.seconds, "combine", x.device):
+                output = combine_padded(results, routing, kept, slots, capacity, self.n_experts, exchange, group)
+            world_size = dist.get_world_size(group)
+            self.sent = self.received = [self.n_experts // world_size * capacity] * world_size  # padding included
+        else:
+            kept = torch.ones_like(routing.experts, dtype=torch.bool)
+            received, plan = dispatch(tokens, routing, self.n_experts, exchange, group)
+            with timed(self.seconds, "experts", x.device):
+                results = run_experts(received, plan, self.experts)
+            with timed(self.seconds, "combine", x.device):
+                output = combine(results, plan, routing, tokens.shape[0], exchange, group)
+            self.sent, self.received = plan.send_splits, plan.recv_splits
+        self.aux_loss = routing.aux_loss
+        self.chosen = torch.bincount(routing.experts.flatten(), minlength=self.n_experts)  # before the capacity
+        self.kept = torch.bincount(routing.experts[kept], minlength=self.n_experts)  # after it
+        return output.view(x.shape)
+
+
+def build_moe_model(args, group=None):
+    """The course model with every block's MLP an MoEMLP holding this rank's experts (utils/lesson_10 builds each
+    expert from its own seed: the rank builds only its own, and one process would build the same)."""
+    config, world_size, rank = model_config(args), dist.get_world_size(group), dist.get_rank(group)
+    mine = range(rank * args.experts // world_size, (rank + 1) * args.experts // world_size)
+    factor = args.capacity_factor if args.dispatch == "padded" else None
+    model = build_model(config, seed=args.seed)
+    for layer, block in enumerate(model.blocks):
+        experts = Experts(build_experts(config, args.seed, layer, mine))
+        router = build_router(config, args.experts, args.seed, layer)
+        block.mlp = MoEMLP(router, experts, args.experts, args.top_k, factor, EXCHANGES[args.impl], group)
+    return model
+
+
+def split_parameters(model) -> tuple[list, list]:
+    """(replicated parameters, this rank's experts' parameters)."""
+    named = list(model.named_parameters())
+    return [p for n, p in named if ".experts." not in n], [p for n, p in named if ".experts." in n]
+
+
+def train(args, rank: int, world_size: int, device: torch.device):
+    check_experts(args, world_size)
+    model = build_moe_model(args).to(device)
+    replicated, experts = split_parameters(model)
+    optimizer = build_optimizer(model.parameters(), args)
+    layers = list(model.blocks)
+    capacity = f"capacity factor {args.capacity_factor}" if args.dispatch == "padded" else "every choice kept"
+    print0(
+        f"{world_size} ranks x {args.experts // world_size} experts of {args.experts} per layer | top-{args.top_k} | "
+        f"--dispatch {args.dispatch} ({capacity}) | aux-loss weight {args.aux_loss_weight} | --impl {args.impl} | "
+        f"global batch {world_size} x {args.batch_size} sequences"
+    )
+
+    train_set = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train_set), args, 1, per_step=world_size, what="global batch")
+    generator = torch.Generator().manual_seed(args.seed)  # lesson 00's order of batches, N x --batch-size each
+    loader = torch.utils.data.DataLoader(
+        train_set, batch_size=world_size * args.batch_size, shuffle=True, drop_last=True, generator=generator
+    )
+    counter, record = CollectiveCounter(), ExpertRecord(layers, args.experts)
+    logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
+    batches = (batch for _ in iter(int, 1) for batch in loader)  # endless: epoch after epoch
+    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches):
+        inputs, targets = inputs.chunk(world_size)[rank].to(device), targets.chunk(world_size)[rank].to(device)
+        optimizer.zero_grad(set_to_none=True)
+        with counter.phase("step") if step == 1 else nullcontext():  # the all-to-all bytes of one step
+            loss = loss_fn(model(inputs), targets)
+            (loss + args.aux_loss_weight * sum(block.mlp.aux_loss for block in layers)).backward()
+        synchronize_gradients(replicated, experts)
+        optimizer.step()
+        loss, aux = record.step(loss)  # means over the ranks; choices and kept rows per expert
+        throughput.step(world_size * inputs.numel())
+        logger.log(step, loss=loss, **{f"aux_loss/layer{i}": a for i, a in enumerate(aux)},
+                   tokens_per_s=throughput.tokens_per_s)  # fmt: skip
+        if step % args.log_every == 0 or step == args.steps:
+            print0(record.line(step))
+    logger.close()
+
+    full, checksum = full_weights(model, device, keep=rank == 0)  # every rank's experts, gathered on rank 0
+    if args.checkpoint:
+        save0({"model": full, "config": vars(model_config(args))}, args.checkpoint)
+        print0(f"saved the full model to {args.checkpoint}")
+    tokens = args.batch_size * args.seq_len  # per rank: the group of tokens each capacity is for
+    bytes_per_rank = [None] * world_size
+    dist.all_gather_object(bytes_per_rank, state_bytes(model, optimizer))
+    write_metrics(
+        args.metrics_out,
+        final_loss=record.losses[-1],
+        steps=len(record.losses),
+        tokens_per_s=throughput.tokens_per_s,
+        param_checksum=checksum,
+        bytes_per_rank=bytes_per_rank,
+        **{
+            name: getattr(args, name)
+            for name in (
+                "impl",
+                "experts",
+                "top_k",
+                "dispatch",
+                "capacity_factor",
+                "aux_loss_weight",
+                "optimizer",
+                "dataset",
+            )
+        },  # fmt: skip
+        experts_per_rank=args.experts // world_size,
+        capacity=math.ceil(args.capacity_factor * tokens * args.top_k / args.experts) if args.capacity_factor else None,
+        tokens_per_rank=tokens,
+        **record.metrics(counter.table().get("step", {}).get("all_to_all", [0, 0])[1]),  # step 1's input bytes
+    )
+    print0(f"throughput: {throughput.tokens_per_s:,.0f} tokens/s on {world_size} x {device.type}")
+    print0(f"FINISHED {len(record.losses)} steps, final loss {record.losses[-1]:.4f}")
+    del optimizer, model
+
+
+def main():
+    parser = base_parser(__doc__.splitlines()[0], without=("--autocast",))  # fp32 only: parity is exact
+    add_expert_options(parser)
+    args = parse_args(parser)
+    check_options(parser, args)
+    _, rank, device, world_size = setup(args.seed)
+    train(args, rank, world_size, device)
+    print0("done")
+    dist.barrier()
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)

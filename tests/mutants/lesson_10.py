@@ -1,0 +1,157 @@
+"""Lesson 10's mutants: plausible mistakes in each TODO of solutions/10_mixture_of_experts.py, each of which its
+TODO's tests must catch (python -m tests.mutants --lesson 10), and VARIANTS: other correct answers, which they must
+accept.
+
+Not listed: "f and P swapped" in the load-balancing loss. E x sum_e f_e P_e is symmetric in the two, so swapping
+their names changes nothing; the mistakes that do change it (f over tokens instead of choices, P over the chosen
+experts only, no factor E, P detached) are below.
+"""
+
+from tests.mutants import Mutant
+
+GATES = "    gates = top if k == 1 else top / top.sum(dim=-1, keepdim=True)\n"
+F_E = "    f = torch.bincount(experts.flatten(), minlength=n_experts).to(probs.dtype) / experts.numel()\n"
+SLOTS = (
+    "    in_order = experts.t().flatten()\n"
+    "    positions = (F.one_hot(in_order, n_experts).cumsum(dim=0) - 1).gather(1, in_order[:, None]).squeeze(1)\n"
+    "    slots = positions.view(k, n_tokens).t()\n"
+)
+ORDER = "    order = torch.argsort(flat_experts, stable=True)\n"
+EXCHANGE_COUNTS = "    dist.all_to_all_single(recv_counts, counts, group=group)\n"
+ADD_BACK = "    return output.index_add(0, plan.order // k, back * gates[:, None])\n"
+AVERAGE = "    dist.all_reduce(flat, group=group)\n    flat /= world_size\n"
+
+MUTANTS = [
+    # TODO 1: the router
+    Mutant(todo=1, what="gates renormalised at k = 1 too: every gate is 1, the router learns nothing from the task",
+           find=GATES, replace="    gates = top / top.sum(dim=-1, keepdim=True)\n"),
+    Mutant(todo=1, what="gates never renormalised: at k > 1 a token's gates do not sum to 1",
+           find=GATES, replace="    gates = top\n"),
+    Mutant(todo=1, what="top-k and gates from the logits instead of the softmax's probabilities",
+           find="    top, experts = probs.topk(k, dim=-1)\n", replace="    top, experts = logits.topk(k, dim=-1)\n"),
+    Mutant(todo=1, what="load-balancing loss without the factor E",
+           find="aux_loss = n_experts * (f * P).sum()", replace="aux_loss = (f * P).sum()"),
+    Mutant(todo=1, what="f_e as the fraction of tokens (sums to k), not of the T x k choices",
+           find=".to(probs.dtype) / experts.numel()", replace=".to(probs.dtype) / experts.shape[0]"),
+    Mutant(todo=1, what="P_e averages the gates of the chosen experts instead of every expert's probability",
+           find="    P = probs.mean(dim=0)\n",
+           replace="    P = torch.zeros_like(probs).scatter(1, experts, gates).mean(dim=0)\n"),
+    Mutant(todo=1, what="P_e detached: the load-balancing loss never reaches the router",
+           find="    P = probs.mean(dim=0)\n", replace="    P = probs.mean(dim=0).detach()\n"),
+    Mutant(todo=1, what="gates detached: the router learns from the load-balancing loss only",
+           find=GATES, replace="    gates = (top if k == 1 else top / top.sum(dim=-1, keepdim=True)).detach()\n"),
+    Mutant(todo=1, what="f_e counts the first choices only",
+           find="torch.bincount(experts.flatten(), minlength=n_experts).to(probs.dtype) / experts.numel()",
+           replace="torch.bincount(experts[:, 0], minlength=n_experts).to(probs.dtype) / experts.shape[0]"),
+    # TODO 2: the capacity
+    Mutant(todo=2, what="capacity from the global batch's tokens (N x T), not this rank's",
+           find="capacity = math.ceil(capacity_factor * n_tokens * k / n_experts)",
+           replace="capacity = math.ceil(capacity_factor * n_tokens * dist.get_world_size() * k / n_experts)"),
+    Mutant(todo=2, what="capacity rounded down instead of up",
+           find="capacity = math.ceil(capacity_factor * n_tokens * k / n_experts)",
+           replace="capacity = int(capacity_factor * n_tokens * k / n_experts)"),
+    Mutant(todo=2, what="capacity without the factor C",
+           find="capacity = math.ceil(capacity_factor * n_tokens * k / n_experts)",
+           replace="capacity = math.ceil(n_tokens * k / n_experts)"),
+    Mutant(todo=2, what="slots counted from 1: each expert keeps one choice fewer than its capacity",
+           find="(F.one_hot(in_order, n_experts).cumsum(dim=0) - 1)",
+           replace="F.one_hot(in_order, n_experts).cumsum(dim=0)"),
+    Mutant(todo=2, what="token-major priority: a token's second choice before the next token's first",
+           find="    in_order = experts.t().flatten()\n", replace="    in_order = experts.flatten()\n"),
+    Mutant(todo=2, what="the slots read back token-major ([T, k] view of the column-by-column order)",
+           find="    slots = positions.view(k, n_tokens).t()\n", replace="    slots = positions.view(n_tokens, k)\n"),
+    Mutant(todo=2, what="kept up to and including slot = capacity: one choice too many per expert",
+           find="    return slots < capacity, slots, capacity\n",
+           replace="    return slots <= capacity, slots, capacity\n"),
+    # TODO 3: the counts exchange and the dispatch
+    Mutant(todo=3, what="send counts used as receive counts",
+           find="    recv_splits = recv_counts.view(world_size, -1).sum(1).tolist()\n",
+           replace="    recv_splits = send_splits\n"),
+    Mutant(todo=3, what="no counts exchange: a rank expects what it would send itself",
+           find=EXCHANGE_COUNTS, replace="    recv_counts.copy_(counts)\n"),
+    Mutant(todo=3, what="the choices sent in token order, not grouped by expert (rows reach the wrong rank)",
+           find=ORDER, replace="    order = torch.arange(flat_experts.numel())\n"),
+    Mutant(todo=3, what="a choice's index taken as its token's (tokens[order % T], not tokens[order // k])",
+           find="received = exchange(tokens[order // k], recv_splits, send_splits, group)",
+           replace="received = exchange(tokens[order % tokens.shape[0]], recv_splits, send_splits, group)"),
+    Mutant(todo=3, what="the rows sent with dist.all_to_all_single itself: no gradient flows back to the tokens",
+           find="    received = exchange(tokens[order // k], recv_splits, send_splits, group)\n",
+           replace="    received = tokens.new_empty((sum(recv_splits), tokens.shape[1]))\n"
+                   "    dist.all_to_all_single(received, tokens[order // k], recv_splits, send_splits, group=group)\n"),
+    Mutant(todo=3, what="choices sorted by destination rank only, not by expert (rows reach the wrong expert)",
+           find="torch.argsort(flat_experts, stable=True)",
+           replace="torch.argsort(flat_experts // (n_experts // world_size), stable=True)"),
+    Mutant(todo=3, what="expert e placed on rank e % N instead of e // (E / N) when summing the splits",
+           find="    send_splits = counts.view(world_size, -1).sum(1).tolist()\n",
+           replace="    send_splits = counts.view(-1, world_size).sum(0).tolist()\n"),
+    # TODO 4: the combine
+    Mutant(todo=4, what="the reverse all-to-all with the dispatch's splits, not swapped",
+           find="back = exchange(results, plan.send_splits, plan.recv_splits, group)",
+           replace="back = exchange(results, plan.recv_splits, plan.send_splits, group)"),
+    Mutant(todo=4, what="the original order not restored: results added to the tokens in sorted order",
+           find=ADD_BACK,
+           replace="    return output.index_add(0, plan.order.sort().values // k, back * gates[:, None])\n"),
+    Mutant(todo=4, what="results not weighted by their gates",
+           find=ADD_BACK, replace="    return output.index_add(0, plan.order // k, back)\n"),
+    Mutant(todo=4, what="gates read in token order, not in the order the rows were sent",
+           find="    gates = routing.gates.flatten()[plan.order]\n",
+           replace="    gates = routing.gates.flatten()[plan.order.sort().values]\n"),
+    Mutant(todo=4, what="output[token] += ...: a token's second choice overwrites its first",
+           find=ADD_BACK, replace="    output[plan.order // k] += back * gates[:, None]\n    return output\n"),
+    Mutant(todo=4, what="gates detached: the router gets no gradient from the experts' outputs",
+           find="    gates = routing.gates.flatten()[plan.order]\n",
+           replace="    gates = routing.gates.flatten()[plan.order].detach()\n"),
+    # TODO 5: the gradients
+    Mutant(todo=5, what="expert gradients double-counted: not divided by N (every rank's tokens already summed)",
+           find="    for p in experts:\n        p.grad /= world_size\n", replace=""),
+    Mutant(todo=5, what="expert gradients all-reduced with the replicated ones (adds other ranks' experts)",
+           find="    gradients = [p.grad for p in replicated]\n",
+           replace="    gradients = [p.grad for p in replicated + experts]\n"),
+    Mutant(todo=5, what="replicated gradients summed over the ranks, not averaged",
+           find="    flat /= world_size\n", replace=""),
+    Mutant(todo=5, what="the replicated gradients averaged twice (all-reduce with AVG, then divided by N)",
+           find="    dist.all_reduce(flat, group=group)\n",
+           replace="    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)\n"),
+    Mutant(todo=5, what="the averaged buffer never copied back into the replicated gradients",
+           find="        gradient.copy_(average.view_as(gradient))\n    for p in experts:",
+           replace="        pass\n    for p in experts:"),
+]  # fmt: skip
+
+VARIANTS = [  # correct answers written another way: each TODO's tests must accept them
+    # TODO 1
+    Mutant(todo=1, what="at k > 1, a softmax over the chosen experts' logits (Mixtral's way: the same gates)",
+           find=GATES, replace="    gates = top if k == 1 else logits.gather(1, experts).softmax(dim=-1)\n"),
+    Mutant(todo=1, what="f_e from one-hot vectors instead of bincount, E x f . P as a dot product",
+           find=F_E + "    P = probs.mean(dim=0)\n    aux_loss = n_experts * (f * P).sum()\n",
+           replace="    f = F.one_hot(experts, n_experts).sum(dim=(0, 1)).to(probs.dtype) / experts.numel()\n"
+                   "    P = probs.mean(dim=0)\n    aux_loss = n_experts * torch.dot(f, P)\n"),
+    # TODO 2
+    Mutant(todo=2, what="the slots counted by a loop over the choices in priority order",
+           find=SLOTS,
+           replace="    slots, taken = torch.empty_like(experts), [0] * n_experts\n"
+                   "    for i in range(k):\n"
+                   "        for t in range(n_tokens):\n"
+                   "            slots[t, i] = taken[experts[t, i]]\n"
+                   "            taken[experts[t, i]] += 1\n"),
+    # TODO 3: any consistent order of the rows within an expert is right
+    Mutant(todo=3, what="the rows of each expert in reverse order (sorted by expert, then by descending choice)",
+           find=ORDER,
+           replace="    order = torch.argsort(flat_experts * len(flat_experts) - torch.arange(len(flat_experts)))\n"),
+    Mutant(todo=3, what="an unstable sort: the rows of an expert in whatever order argsort leaves them",
+           find=ORDER, replace="    order = torch.argsort(flat_experts)\n"),
+    # TODO 4
+    Mutant(todo=4, what="the results added with index_put(accumulate=True)",
+           find=ADD_BACK,
+           replace="    return output.index_put((plan.order // k,), back * gates[:, None], accumulate=True)\n"),
+    # TODO 5
+    Mutant(todo=5, what="the replicated gradients all-reduced with ReduceOp.AVG (no division after it)",
+           find=AVERAGE, replace="    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)\n"),
+    Mutant(todo=5, what="one all-reduce per replicated gradient instead of one flat buffer",
+           find="    gradients = [p.grad for p in replicated]\n    flat = torch.cat([g.flatten() for g in gradients])\n"
+                + AVERAGE
+                + "    for gradient, average in zip(gradients, flat.split([g.numel() for g in gradients])):\n"
+                  "        gradient.copy_(average.view_as(gradient))\n",
+           replace="    for p in replicated:\n"
+                   "        dist.all_reduce(p.grad, group=group)\n"
+                   "        p.grad /= world_size\n"),
+]  # fmt: skip
