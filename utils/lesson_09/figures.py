@@ -243,7 +243,7 @@ def draw_memory(metrics: dict):
     ax.set_ylabel("bytes (one sequence, one layer)", fontsize=11)
     ax.set_title(f"One attention layer's activations, {metrics['memory_shape'][1]} heads of "
                  f"{metrics['memory_shape'][2]}, fp32", fontsize=11)  # fmt: skip
-    ax.legend(fontsize=9)
+    ax.legend(fontsize=10)
     fig.tight_layout()
     plt.show()
     return curves

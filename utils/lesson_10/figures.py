@@ -37,7 +37,7 @@ def plot_dispatch(dropless: dict, padded: dict, layer: int = 0):
             left.text(d, s, int(matrix[s, d]), ha="center", va="center", fontsize=11)
     per_rank = dropless["experts_per_rank"]
     left.set_xticks(range(n), [f"rank {d}\nexperts\n{per_rank * d}-{per_rank * d + per_rank - 1}" for d in range(n)],
-                    fontsize=9)  # fmt: skip
+                    fontsize=10)  # fmt: skip
     left.set_yticks(range(n), [f"rank {s}" for s in range(n)], fontsize=10)
     left.set_xlabel("to (the experts' rank)", fontsize=11)
     left.set_ylabel("from (the tokens' rank)", fontsize=11)
@@ -52,11 +52,13 @@ def plot_dispatch(dropless: dict, padded: dict, layer: int = 0):
     right.bar([e + width / 2 for e in experts], [c - k for c, k in zip(chosen, kept)], width, bottom=kept,
               color="white", edgecolor="tab:red", hatch="//", label="padded: dropped")  # fmt: skip
     buffer = padded["world_size"] * padded["capacity"]
-    right.axhline(buffer, color="black", linestyle="--", label=f"padded: buffer computed per expert (N x C = {buffer})")
-    right.set_xticks(list(experts), [f"expert {e}" for e in experts], fontsize=9)
+    right.axhline(
+        buffer, color="black", linestyle="--", label=f"padded: buffer computed per expert (N x capacity = {buffer})"
+    )
+    right.set_xticks(list(experts), [f"expert {e}" for e in experts], fontsize=10)
     right.set_ylabel("rows (token choices)", fontsize=11)
     right.set_title(f"rows per expert, layer {layer}, step 1 ({n} ranks, top-{dropless['top_k']})", fontsize=11)
-    right.legend(fontsize=9, loc="upper right")
+    right.legend(fontsize=10, loc="upper right")
     fig.tight_layout()
     return fig
 
@@ -78,7 +80,7 @@ def plot_balance(runs: dict, layer: int = 0):
         ax.set_title(title, fontsize=11)
         ax.set_xlabel("step", fontsize=11)
         ax.set_ylabel(label, fontsize=11)
-        ax.legend(fontsize=9)
+        ax.legend(fontsize=10)
     fig.tight_layout()
     return fig
 
