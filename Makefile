@@ -62,7 +62,7 @@ lint: setup
 # TEST_WORKERS=0 runs everything in one stream, in file order.
 TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m utils.make_exercises --check
+	$(BIN)/python -m utils.course.make_exercises --check
 	CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest tests/ notebooks/ --nbval --durations=30 \
 		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder,)
 
@@ -71,14 +71,14 @@ notebooks: setup
 	CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest --nbval \
 		$(if $(filter command line,$(origin LESSON)),notebooks/$(LESSON)_*.ipynb,notebooks/)
 
-# Maintainers: a notebook's committed outputs, made again (utils/refresh_notebook.py); then `make notebooks`.
+# Maintainers: a notebook's committed outputs, made again (utils/course/refresh_notebook.py); then `make notebooks`.
 ifneq ($(filter outputs,$(MAKECMDGOALS)),)
 ifneq ($(origin LESSON),command line)
 $(error name the notebook: make outputs LESSON=02)
 endif
 endif
 outputs: setup
-	$(BIN)/python -m utils.refresh_notebook notebooks/$(LESSON)_*.ipynb
+	$(BIN)/python -m utils.course.refresh_notebook notebooks/$(LESSON)_*.ipynb
 
 check: setup
 	@# pytest's own report is silenced; tests/todo_report.py prints one line per TODO and a count. The tests that
@@ -110,7 +110,7 @@ test-floor: setup .venv-floor/.installed
 	CUDA_VISIBLE_DEVICES= .venv-floor/bin/python -m tests.floor_check --reference $(BIN)/python
 
 exercises: setup
-	$(BIN)/python -m utils.make_exercises
+	$(BIN)/python -m utils.course.make_exercises
 
 clean:
 	rm -rf runs checkpoints metrics .pytest_cache .ruff_cache

@@ -1,5 +1,6 @@
 # Exercise for lesson 00: complete the numbered TODOs. (This file is generated from
-# solutions/00_setup_and_baseline.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+# solutions/00_setup_and_baseline.py by `python -m utils.course.make_exercises`;
+# course maintainers edit the solution.)
 """Lesson 00: the single-device baseline that every later lesson parallelises.
 
 A small Transformer language model learns a byte-level corpus on one device: load the data through

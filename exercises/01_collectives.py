@@ -1,5 +1,6 @@
 # Exercise for lesson 01: complete the numbered TODOs. (This file is generated from
-# solutions/01_collectives.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+# solutions/01_collectives.py by `python -m utils.course.make_exercises`;
+# course maintainers edit the solution.)
 """Lesson 01: collectives, the vocabulary of every parallelism in this course.
 
 Part 1 runs each collective of torch.distributed on small tensors and shows every rank's tensor
@@ -27,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import utils` f
 import torch
 import torch.distributed as dist
 
+from utils.course.measured import loaded_and_warned
 from utils.distributed_utils import destroy_process_group, is_root_process, print0, run_main, setup
-from utils.measured import loaded_and_warned
 from utils.metrics import write_metrics
 from utils.training import CourseArgumentParser, parse_args, positive_int
 

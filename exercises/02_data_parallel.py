@@ -1,5 +1,6 @@
 # Exercise for lesson 02: complete the numbered TODOs. (This file is generated from
-# solutions/02_data_parallel.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+# solutions/02_data_parallel.py by `python -m utils.course.make_exercises`;
+# course maintainers edit the solution.)
 """Lesson 02: data parallelism. Lesson 00's training script, run by N processes that each train on 1/N of every batch.
 
 Each rank holds a full copy of the model, reads a different slice of each global batch (DistributedSampler),

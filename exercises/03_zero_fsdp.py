@@ -1,5 +1,6 @@
 # Exercise for lesson 03: complete the numbered TODOs. (This file is generated from
-# solutions/03_zero_fsdp.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+# solutions/03_zero_fsdp.py by `python -m utils.course.make_exercises`;
+# course maintainers edit the solution.)
 """Lesson 03: ZeRO and FSDP. Data parallelism that shards the optimizer state, the gradients, then the parameters.
 
 DDP keeps a full copy of the parameters, gradients and optimizer state on every rank. ZeRO removes the

@@ -1,5 +1,6 @@
 # Exercise for lesson 04: complete the numbered TODOs. (This file is generated from
-# solutions/04_tensor_parallel.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+# solutions/04_tensor_parallel.py by `python -m utils.course.make_exercises`;
+# course maintainers edit the solution.)
 """Lesson 04: tensor parallelism. Each rank holds a slice of every projection and computes a slice of its output.
 
 One layer too big for one device is split across the ranks of a node: q/k/v and the MLP's up projection by

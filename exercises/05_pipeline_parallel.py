@@ -1,5 +1,6 @@
 # Exercise for lesson 05: complete the numbered TODOs. (This file is generated from
-# solutions/05_pipeline_parallel.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+# solutions/05_pipeline_parallel.py by `python -m utils.course.make_exercises`;
+# course maintainers edit the solution.)
 """Lesson 05: pipeline parallelism. The model's blocks cut into stages, one per rank, micro-batches streamed through.
 
 Rank r holds stage r: a contiguous slice of model.blocks (the embeddings on the first stage, the final norm, the
@@ -33,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from utils.course.faults import crash_before_backward
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
-from utils.faults import crash_before_backward
 from utils.metrics import SavedActivations, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.pipeline_plumbing import (

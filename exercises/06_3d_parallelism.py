@@ -1,5 +1,6 @@
 # Exercise for lesson 06: complete the numbered TODOs. (This file is generated from
-# solutions/06_3d_parallelism.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+# solutions/06_3d_parallelism.py by `python -m utils.course.make_exercises`;
+# course maintainers edit the solution.)
 """Lesson 06: 3D parallelism. Data, tensor and pipeline parallelism at once, on a grid of ranks.
 
 The world's ranks form a grid pp x dp x tp. Each rank has coordinates (its pipeline stage, its data-parallel
@@ -39,11 +40,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from utils.course.lessons import lesson
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
 from utils.grid import describe_placements, full_parameters, local_numel, measure_step, output_not_a_view
 from utils.lesson06_timeline import StepTimeline
-from utils.lessons import lesson
 from utils.metrics import state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.tensor_parallel import parameter_groups

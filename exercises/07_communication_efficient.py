@@ -1,5 +1,6 @@
 # Exercise for lesson 07: complete the numbered TODOs. (This file is generated from
-# solutions/07_communication_efficient.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+# solutions/07_communication_efficient.py by `python -m utils.course.make_exercises`;
+# course maintainers edit the solution.)
 """Lesson 07: communication-efficient training. Lesson 02's DDP loop, sending fewer bytes per step.
 
 DDP averages every gradient in full precision at every step. When the network is the bottleneck, send

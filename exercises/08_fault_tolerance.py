@@ -1,5 +1,6 @@
 # Exercise for lesson 08: complete the numbered TODOs. (This file is generated from
-# solutions/08_fault_tolerance.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+# solutions/08_fault_tolerance.py by `python -m utils.course.make_exercises`;
+# course maintainers edit the solution.)
 """Lesson 08: fault tolerance. Checkpoints that survive any crash, and a resume that continues the exact same run.
 
 The job dies at hour 30: a rank is killed, a node fails, the scheduler preempts it. This script trains the
@@ -46,9 +47,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
+from utils.course.faults import crash, forget_kill, pause, seconds_since_kill
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
-from utils.faults import crash, forget_kill, pause, seconds_since_kill
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (

@@ -1,5 +1,6 @@
 # Exercise for lesson 09: complete the numbered TODOs. (This file is generated from
-# solutions/09_context_parallelism.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+# solutions/09_context_parallelism.py by `python -m utils.course.make_exercises`;
+# course maintainers edit the solution.)
 """Lesson 09: long sequences. Context parallelism, ring attention and Ulysses from scratch, then torch's built-in.
 
 A sequence whose activations do not fit on one rank is cut over N ranks; each rank embeds, projects and predicts its
@@ -30,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from utils.collective_counter import CollectiveCounter
-from utils.compat import configure_context_parallel
+from utils.course.compat import configure_context_parallel
 from utils.data import load_token_dataset
 from utils.distributed_utils import destroy_process_group, print0, run_main, save0, setup
 from utils.lesson_09.measure import gather, run_measurements

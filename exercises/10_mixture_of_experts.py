@@ -1,5 +1,6 @@
 # Exercise for lesson 10: complete the numbered TODOs. (This file is generated from
-# solutions/10_mixture_of_experts.py by `python -m utils.make_exercises`; course maintainers edit the solution.)
+# solutions/10_mixture_of_experts.py by `python -m utils.course.make_exercises`;
+# course maintainers edit the solution.)
 """Lesson 10: mixture of experts, split over the ranks (expert parallelism).
 
 A mixture-of-experts (MoE) block holds E MLPs (the experts) and a router that sends each token to k of them: the

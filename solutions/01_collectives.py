@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import utils` f
 import torch
 import torch.distributed as dist
 
+from utils.course.measured import loaded_and_warned
 from utils.distributed_utils import destroy_process_group, is_root_process, print0, run_main, setup
-from utils.measured import loaded_and_warned
 from utils.metrics import write_metrics
 from utils.training import CourseArgumentParser, parse_args, positive_int
 

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from utils.course.faults import crash_before_backward
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
-from utils.faults import crash_before_backward
 from utils.metrics import SavedActivations, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.pipeline_plumbing import (

@@ -37,11 +37,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from utils.course.lessons import lesson
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
 from utils.grid import describe_placements, full_parameters, local_numel, measure_step, output_not_a_view
 from utils.lesson06_timeline import StepTimeline
-from utils.lessons import lesson
 from utils.metrics import state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.tensor_parallel import parameter_groups

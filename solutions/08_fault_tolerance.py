@@ -44,9 +44,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
+from utils.course.faults import crash, forget_kill, pause, seconds_since_kill
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
-from utils.faults import crash, forget_kill, pause, seconds_since_kill
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from utils.collective_counter import CollectiveCounter
-from utils.compat import configure_context_parallel
+from utils.course.compat import configure_context_parallel
 from utils.data import load_token_dataset
 from utils.distributed_utils import destroy_process_group, print0, run_main, save0, setup
 from utils.lesson_09.measure import gather, run_measurements

@@ -4,7 +4,7 @@ Every launch has a timeout: a hung collective fails the test with the script's o
 hanging the suite. The script's metrics JSON (--metrics-out) comes back as a dict.
 
 Launches are warm by default: the ranks fork from a process that imported torch once
-(utils/warm_ranks.py says what that changes), which makes a short launch take a second instead of
+(utils/course/warm_ranks.py says what that changes), which makes a short launch take a second instead of
 ten on 2 cores. Each script's first torchrun launch in a session runs torchrun itself, so every lesson
 still runs as a learner runs it; so do launches with `cold=True`, `max_restarts`, another
 environment's python, an environment that an import reads differently, or COURSE_COLD_RANKS=1.
@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.notebook import kill_tree
-from utils.warm_ranks import SOCKET_VARIABLE, WarmRanks
+from utils.course.notebook import kill_tree
+from utils.course.warm_ranks import SOCKET_VARIABLE, WarmRanks
 
 ROOT = Path(__file__).resolve().parents[1]
 

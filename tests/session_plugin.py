@@ -3,7 +3,7 @@
 
 - The suite never downloads: HF_*_OFFLINE and WANDB_MODE=offline for this process and the kernels it starts.
   The kernels' launches then read what the tests' launches read (HF_* at `import datasets`), so both use the
-  session's warm ranks (utils/warm_ranks.py), started before the first kernel when notebooks run.
+  session's warm ranks (utils/course/warm_ranks.py), started before the first kernel when notebooks run.
 - With several streams (pytest-xdist, `make test`), the files that take longest start first.
 - At the end: the time of each test file and of each notebook.
 """

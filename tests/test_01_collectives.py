@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.launch import ROOT, python, torchrun
-from utils.lab import failure
+from utils.course.lab import failure
 
 WORKER = ROOT / "tests" / "workers" / "collectives_check.py"
 LAB_WORKER = ROOT / "tests" / "workers" / "lab_check.py"

@@ -21,8 +21,8 @@ import torch
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
-from utils.lab import failure
-from utils.make_exercises import make_exercise
+from utils.course.lab import failure
+from utils.course.make_exercises import make_exercise
 from utils.metrics import param_checksum
 from utils.model import ModelConfig, build_model, count_parameters
 
@@ -516,7 +516,7 @@ def test_shared_options_change_the_run(lesson, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# TODO 12: the debugging lab (uneven batches), graded like lesson 01's (utils/lab.py)
+# TODO 12: the debugging lab (uneven batches), graded like lesson 01's (utils/course/lab.py)
 # --------------------------------------------------------------------------------------------------
 
 

@@ -26,8 +26,8 @@ import torch
 
 from tests.launch import ROOT, course_env, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
-from utils.lessons import load_script
-from utils.make_exercises import BEGIN, END, EXERCISE, make_exercise
+from utils.course.lessons import load_script
+from utils.course.make_exercises import BEGIN, END, EXERCISE, make_exercise
 from utils.memory import model_state_bytes, padded_numel, peak_model_state_bytes
 from utils.metrics import param_checksum
 from utils.model import ModelConfig, build_model, count_parameters

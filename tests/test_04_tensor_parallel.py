@@ -20,8 +20,8 @@ import torch
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext, passed
+from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
-from utils.make_exercises import make_exercise
 from utils.model import ModelConfig
 from utils.tp_lab import failure
 

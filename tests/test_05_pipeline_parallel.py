@@ -24,8 +24,8 @@ import torch
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext, passed
+from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
-from utils.make_exercises import make_exercise
 from utils.model import ModelConfig, build_model, flops_per_token, loss_fn
 from utils.pipeline_lab import HINT, check_warmups, failure
 from utils.pipeline_plumbing import cost_aware_partition, forward_flops_per_token, simulate_order, stage_costs

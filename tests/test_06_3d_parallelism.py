@@ -23,9 +23,9 @@ import torch
 from tests.launch import ROOT, course_env, finished, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext
 from utils import lesson06_timeline, planner
+from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.grid import reference_gradient_norms
-from utils.make_exercises import make_exercise
 from utils.model import ModelConfig
 
 TOLERANCE = 1e-6  # fp32, SGD: the layouts and one process differ only by the order of additions

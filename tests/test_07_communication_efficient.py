@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tests.launch import ROOT, course_env, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
-from utils.make_exercises import make_exercise
+from utils.course.make_exercises import make_exercise
 from utils.model import ModelConfig, build_model, count_parameters
 
 CONFIG = ModelConfig(seq_len=32, dim=32, n_layers=2, n_heads=2)

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from tests import launch
 from tests.launch import ROOT, Run, _run, course_env, python
 from tests.option_effects import check_shared_options, fake_wikitext, passed
+from utils.course.notebook import kill_tree
 from utils.model import ModelConfig, build_model
-from utils.notebook import kill_tree
 
 SMALL = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "--log-every", "1"]
 COMMON = [*SMALL, "--steps", "8", "--keep", "2"]

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
 from tests.option_effects import check_shared_options, fake_wikitext
+from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.lesson_09.options import CPU_ATTEMPT
 from utils.lesson_09.ring import in_flight
 from utils.lesson_09.threads import run_on_threads
-from utils.make_exercises import make_exercise
 
 SCRIPT_NAME = "09_context_parallelism.py"
 TOLERANCE = 1e-6  # fp32, SGD: the parallel runs and one process differ only by the order of additions

@@ -23,9 +23,9 @@ import torch
 
 from tests.launch import ROOT, course_env, finished, python, torchrun
 from tests.option_effects import fake_wikitext, passed
+from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.lesson_10.reference import reference_routing, reference_slots, train_reference
-from utils.make_exercises import make_exercise
 
 TOLERANCE = 1e-6  # fp32, SGD: N ranks and one process differ only by the order of additions
 COMMON = [

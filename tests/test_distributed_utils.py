@@ -155,10 +155,10 @@ def test_device_check_names_a_tensor_on_the_wrong_device(monkeypatch):
 
 
 def test_library_names_of_newer_torch_exist():
-    """utils/compat.py gives an older torch the 2.13 names the lessons call."""
+    """utils/course/compat.py gives an older torch the 2.13 names the lessons call."""
     import torch.distributed as dist
 
-    from utils.compat import TORCH_RENAMES
+    from utils.course.compat import TORCH_RENAMES
 
     for new in TORCH_RENAMES:
         assert callable(getattr(dist, new)), new

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from tests.launch import ROOT, torchrun
-from utils.make_exercises import MarkerError, expected_exercises, make_exercise
+from utils.course.make_exercises import MarkerError, expected_exercises, make_exercise
 
 SOLUTION = """import torch
 
@@ -59,9 +59,9 @@ def test_every_exercise_is_generated_from_its_solution():
     expected = expected_exercises()
     assert expected, "no solutions found"
     for path, text in expected.items():
-        assert path.exists(), f"{path.name} is missing: run `python -m utils.make_exercises`"
+        assert path.exists(), f"{path.name} is missing: run `python -m utils.course.make_exercises`"
         assert path.read_text() == text, (
-            f"exercises/{path.name} is stale: run `python -m utils.make_exercises` "
+            f"exercises/{path.name} is stale: run `python -m utils.course.make_exercises` "
             "(a learner's completed exercise differs on purpose; check it with `make check LESSON=NN`)"
         )
 

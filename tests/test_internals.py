@@ -1,4 +1,4 @@
-"""Every internal PyTorch API the course relies on (utils/internals.py) still exists in this release."""
+"""Every internal PyTorch API the course relies on (utils/course/internals.py) still exists in this release."""
 
 import io
 import re
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from utils.collective_counter import KINDS
-from utils.internals import INTERNALS, resolve
+from utils.course.internals import INTERNALS, resolve
 
 
 @pytest.mark.parametrize("internal", INTERNALS, ids=lambda internal: internal.name)
@@ -74,7 +74,7 @@ def test_every_private_torch_name_the_course_uses_is_listed():
         if use not in listed
     )
     assert not unlisted, (
-        "private torch names used but not in utils/internals.py (add where, why and the public alternative): "
+        "private torch names used but not in utils/course/internals.py (add where, why and the public alternative): "
         + "; ".join(unlisted)
     )
 

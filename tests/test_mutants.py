@@ -3,7 +3,7 @@
 import pytest
 
 from tests.mutants.__main__ import apply, lessons, mutants_of, solution_of
-from utils.make_exercises import make_exercise
+from utils.course.make_exercises import make_exercise
 
 
 @pytest.mark.parametrize("lesson", lessons())

@@ -1,4 +1,4 @@
-"""utils.notebook.start_ranks: live ranks for notebook cells (ipyparallel engines in one process group).
+"""utils.course.notebook.start_ranks: live ranks for notebook cells (ipyparallel engines in one process group).
 
 Each test starts its own ranks, so these take a while on a busy 2-core machine (about 10 s each when idle).
 """
@@ -13,7 +13,7 @@ pytest.importorskip("ipyparallel")
 from ipyparallel.error import CompositeError  # noqa: E402
 
 from tests.launch import ROOT  # noqa: E402
-from utils.notebook import _visible_gpus, explain, start_ranks  # noqa: E402
+from utils.course.notebook import _visible_gpus, explain, start_ranks  # noqa: E402
 
 GPUS = _visible_gpus()  # NCCL with one GPU per rank where GPUs exist, gloo on the CPU otherwise
 
@@ -84,7 +84,7 @@ def test_collective_on_some_ranks_ends_after_the_timeout_with_the_message_and_re
 ORPHAN = """
 import os, sys
 sys.path.insert(0, {root!r})
-from utils.notebook import start_ranks
+from utils.course.notebook import start_ranks
 ranks = start_ranks(2)
 print(" ".join(str(p.pid) for p in ranks.processes), flush=True)
 os._exit(0)  # like a killed kernel: no clean-up at all
@@ -105,18 +105,22 @@ def test_stop_ranks_command_cleans_up_after_a_killed_kernel():
     pids = [int(pid) for pid in started.stdout.split()]
     assert pids and all(psutil.pid_exists(pid) for pid in pids), started.stdout + started.stderr
     stop = subprocess.run(
-        [sys.executable, "-m", "utils.notebook", "stop-ranks"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "utils.course.notebook", "stop-ranks"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr
     _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=30)
     leftover = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
-    assert not leftover, f"`python -m utils.notebook stop-ranks` left ranks running: {leftover}"
+    assert not leftover, f"`python -m utils.course.notebook stop-ranks` left ranks running: {leftover}"
 
 
 def test_lab_ranks_use_gloo_even_with_gpus_grade_each_case_and_recover(tmp_path):
     """start_ranks(backend="gloo") hides the GPUs from the ranks (under NCCL a collective some ranks skip would
     return at once and the watchdog would kill the rank); run_lab grades a case and leaves a fresh group."""
-    from utils.make_exercises import make_exercise
+    from utils.course.make_exercises import make_exercise
 
     solution = ROOT / "solutions" / "01_collectives.py"
     untouched = tmp_path / solution.name  # the exercise as generated, whatever the learner did to theirs

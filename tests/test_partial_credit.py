@@ -10,7 +10,7 @@ tests that read a whole-script launch, which stops at the first unfinished TODO 
 import pytest
 
 from tests.mutants.__main__ import check_lessons, lessons, solution_of
-from utils.make_exercises import make_exercise
+from utils.course.make_exercises import make_exercise
 
 
 def first_todo_done(lesson: str) -> tuple[str, list]:

@@ -74,7 +74,7 @@ def test_model_state_is_utils_memory_for_each_stage():
 def test_a_ranks_own_slice_of_the_course_model():
     """rank_parameter_shapes against the course's model itself cut into lesson 05's stages (tp = 1), and what tensor
     parallelism changes: only q/k/v/up (by rows, with their biases) and o/down's weights (by columns) shrink."""
-    from utils.lessons import lesson
+    from utils.course.lessons import lesson
     from utils.model import ModelConfig, build_model
 
     for dim, layers, heads, seq_len in [(32, 4, 2, 32), (24, 3, 3, 16), (16, 5, 4, 8)]:

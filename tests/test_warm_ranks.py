@@ -1,4 +1,4 @@
-"""Warm ranks (utils/warm_ranks.py) start a launch the way torchrun does, only sooner.
+"""Warm ranks (utils/course/warm_ranks.py) start a launch the way torchrun does, only sooner.
 
 The suite's launches fork their ranks from one process that imported torch once. These tests run a
 probe under torchrun itself and on warm ranks and compare what each rank sees, then check the parts
@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from tests.launch import ROOT, course_env, python, torchrun, warm_pool
-from utils.warm_ranks import WarmRanks, differs_at_import
+from utils.course.warm_ranks import WarmRanks, differs_at_import
 
 PROBE = ROOT / "tests" / "workers" / "warm_probe.py"
 # torchrun's own bookkeeping, and variables whose value is per launch by nature

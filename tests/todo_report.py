@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from utils.make_exercises import TODO_HEADER, make_exercise
+from utils.course.make_exercises import TODO_HEADER, make_exercise
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_TODOS = re.compile(r"^test_todos?_?((?:\d+_)+)")

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-import utils.compat  # noqa: F401  (older torch gets the collective names the lessons use)
+import utils.course.compat  # noqa: F401  (older torch gets the collective names the lessons use)
 
 # A collective that waits longer than this is a bug (a rank crashed, a rank skipped a collective,
 # the world size is wrong): fail with a message instead of hanging forever. COURSE_TIMEOUT_S overrides.

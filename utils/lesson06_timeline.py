@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from utils.course.lessons import lesson
+from utils.course.measured import cpu_name
 from utils.distributed_utils import CourseError
-from utils.lessons import lesson
-from utils.measured import cpu_name
 
 ENV = "COURSE_TIMELINE"
 COLOURS = {"F": "#c7c7c7", "B": "#8c8c8c", "tp": "#d62728", "pp": "#2ca02c", "dp": "#1f77b4", "world": "#9467bd"}
@@ -74,7 +74,7 @@ class StepTimeline:
             yield
             return
         events: list[dict] = []
-        steps = lesson("05")  # the module lesson 06 runs its pipeline with (utils.lessons imports it once)
+        steps = lesson("05")  # the module lesson 06 runs its pipeline with (utils.course.lessons imports it once)
         originals = {"all_reduce": dist.all_reduce, **{name: getattr(steps, name) for name in STEP_FUNCTIONS}}
         dist.barrier()
         origin = time.perf_counter()

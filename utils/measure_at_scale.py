@@ -51,8 +51,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from utils import planner
+from utils.course.lessons import lesson
 from utils.grid import SavedActivations, output_not_a_view
-from utils.lessons import lesson
 from utils.memory import human
 from utils.model import ModelConfig, TransformerLM
 

@@ -13,7 +13,7 @@ rank's outcome. The notebook and `make check` run the same file:
     message = check_warmups(lesson.capped_warmup)          # the pure-Python check, without launching anything
 
 Why gloo even on a GPU node: a receive that never comes makes gloo raise after the timeout, which the lab reports;
-NCCL's watchdog kills the process instead (utils/lab.py says more).
+NCCL's watchdog kills the process instead (utils/course/lab.py says more).
 """
 
 import argparse
@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from utils.course.lab import wait_for_everyone  # noqa: E402
+from utils.course.lessons import load_script  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
-from utils.lab import wait_for_everyone  # noqa: E402
-from utils.lessons import load_script  # noqa: E402
 
 STAGES, MICROBATCHES, MAX_IN_FLIGHT = 4, 4, 2  # the live run: 4 stages, 4 micro-batches, rank 0 holds at most 2
 TIMEOUT_S = 5.0  # how long a rank waits for a tensor before gloo gives up

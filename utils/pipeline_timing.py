@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from utils.course.measured import others_loaded
 from utils.distributed_utils import CourseError, print0
-from utils.measured import others_loaded
 from utils.sharding import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
+from utils.course.measured import loaded_and_warned, wait_until_quiet
 from utils.data import map_tokens, write_token_file
 from utils.distributed_utils import destroy_process_group
-from utils.measured import loaded_and_warned, wait_until_quiet
 
 
 def _rank_and_world(rank, world_size):

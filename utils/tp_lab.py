@@ -1,7 +1,7 @@
 """Lesson 04's debugging lab (TODO 8): run `train_parallel_mlp` on live ranks, say what each rank did, grade it.
 
-Lessons 01 and 02 grade their labs with utils/lab.py; this is the same pattern for tensor parallelism, whose failure
-is not a hang but a run that trains without an error and is wrong: a row-parallel layer without its g leaves a
+Lessons 01 and 02 grade their labs with utils/course/lab.py; this is the same pattern for tensor parallelism, whose
+failure is not a hang but a run that trains without an error and is wrong: a row-parallel layer without its g leaves a
 partial sum on every rank, so the ranks report different losses, none of them one process's.
 
     outcome = run_case(lesson, reference)      # on every rank: {"value": [losses], "error": ..., "seconds": ...}
@@ -9,7 +9,7 @@ partial sum on every rank, so the ranks report different losses, none of them on
     message = failure(outcomes, todo=8)        # None when right, else the test's message with a hint
 
 The reference is one process training the same three nn.Linear layers (no collectives), computed here, never
-the learner's code. The lab runs on gloo with a short timeout (utils/lab.py says why), so a collective that only
+the learner's code. The lab runs on gloo with a short timeout (utils/course/lab.py says why), so a collective that only
 some ranks call ends in an error within seconds instead of a hang.
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils.lab import describe_error
+from utils.course.lab import describe_error
 
 FUNCTION = "train_parallel_mlp"
 STEPS, LR = 3, 0.5
@@ -128,11 +128,11 @@ def failure(outcomes: list[dict], todo: int) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# On the notebook's live ranks (utils.notebook.start_ranks)
+# On the notebook's live ranks (utils.course.notebook.start_ranks)
 # --------------------------------------------------------------------------------------------------
 
 _ON_EACH_RANK = """
-from utils.lessons import load_script
+from utils.course.lessons import load_script
 from utils.tp_lab import run_case
 _tp_lab_outcome = run_case(load_script({path!r}, "tp_lab_lesson"), load_script({reference!r}, "tp_lab_reference"))
 """
@@ -141,7 +141,7 @@ _tp_lab_outcome = run_case(load_script({path!r}, "tp_lab_lesson"), load_script({
 def run_on_ranks(ranks, script: str) -> tuple[bool, list[str]]:
     """Run the lab with `script`'s train_parallel_mlp (e.g. "exercises/04_tensor_parallel.py", loaded afresh: your
     latest edit counts) on every live rank; (passed, lines). The ranks get a fresh process group afterwards."""
-    from utils.notebook import ROOT
+    from utils.course.notebook import ROOT
 
     code = _ON_EACH_RANK.format(path=str(ROOT / script), reference=str(ROOT / "solutions" / "04_tensor_parallel.py"))
     ranks.view.execute(code, block=True)

@@ -8,7 +8,7 @@ returns the squared norm of the averaged gradient, which must equal one process'
 
     torchrun --nproc_per_node=3 utils/zero_lab.py exercises/03_zero_fsdp.py --metrics-out lab.json
 
-Like the other labs (utils/lab.py says why): gloo even on a GPU node, a 5 s timeout on the collectives, so a
+Like the other labs (utils/course/lab.py says why): gloo even on a GPU node, a 5 s timeout on the collectives, so a
 wrong fix that leaves a rank waiting ends within seconds. Rank 0 writes every rank's outcome to --metrics-out.
 """
 
@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script by torchrun: `import utils` from the course folder
     sys.path.insert(0, str(ROOT))
 
+from utils.course.lab import LAB_TIMEOUT_S, describe_error, first_cause  # noqa: E402
+from utils.course.lessons import load_script  # noqa: E402
 from utils.distributed_utils import wait_for_idle_threads  # noqa: E402
-from utils.lab import LAB_TIMEOUT_S, describe_error, first_cause  # noqa: E402
-from utils.lessons import load_script  # noqa: E402
 
 HINT = (  # a question that leads to the cause, not the fix: the lab is the finding
     "print what the lab's block returns and what output_tensors gives back for it: which of its tensors got the "

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tests.launch import course_env
 from tests.mutants import Mutant
-from utils.make_exercises import BEGIN, END, TODO_HEADER, make_exercise
+from utils.course.make_exercises import BEGIN, END, TODO_HEADER, make_exercise
 
 ROOT = Path(__file__).resolve().parents[2]
 STATUSES = r"passing|not started|failing.*|not checked yet.*|no test selected"

@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_01_collectives.py: every debugging-lab case of a lesson's script.
 
 Each case runs in a fresh process group (gloo, TORCH_DISTRIBUTED_DEBUG=DETAIL, a 5 s timeout, see
-utils/lab.py for why), so a case that hangs or breaks the group leaves the next case a working one.
+utils/course/lab.py for why), so a case that hangs or breaks the group leaves the next case a working one.
 Rank 0 writes {case: [each rank's outcome]}.
 
     torchrun --nproc_per_node=3 tests/workers/lab_check.py LESSON.py OUT.json skip raise shapes swap branch
@@ -16,12 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the labs run on gloo, even on a GPU node (utils/lab.py says why)
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the labs run on gloo, even on a GPU node (utils/course/lab.py says why)
 
 import torch.distributed as dist  # noqa: E402
 
+from utils.course.lab import LAB_TIMEOUT_S, WITHOUT_DETAIL, run_case, wait_for_everyone  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
-from utils.lab import LAB_TIMEOUT_S, WITHOUT_DETAIL, run_case, wait_for_everyone  # noqa: E402
 
 
 def load_lesson(path):

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from utils.measured import cpu_name, loaded_and_warned, wait_until_quiet
-from utils.notebook import torchrun
+from utils.course.measured import cpu_name, loaded_and_warned, wait_until_quiet
+from utils.course.notebook import torchrun
 
 SCRIPT = "solutions/06_3d_parallelism.py"
 GLOBAL_BATCH = 16  # sequences per step, however many processes share them

@@ -15,13 +15,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the labs run on gloo, even on a GPU node (utils/lab.py says why)
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the labs run on gloo, even on a GPU node (utils/course/lab.py says why)
 
 import torch.distributed as dist  # noqa: E402
 
+from utils.course.lab import LAB_TIMEOUT_S, wait_for_everyone  # noqa: E402
+from utils.course.lessons import load_script  # noqa: E402
 from utils.distributed_utils import wait_for_idle_threads  # noqa: E402
-from utils.lab import LAB_TIMEOUT_S, wait_for_everyone  # noqa: E402
-from utils.lessons import load_script  # noqa: E402
 from utils.tp_lab import run_case  # noqa: E402
 
 

@@ -8,7 +8,7 @@ same names, so the lesson code reads the same everywhere.
   `reduce_scatter_tensor` -> `reduce_scatter_single` (the old names still work there, with a FutureWarning).
 - `context_parallel`'s options (how keys and values travel, whether the sequence is cut head-tail) have no
   public switch in torch 2.11 to 2.13: `configure_context_parallel` sets them through the private module, in
-  this one place (utils/internals.py lists the names, and tests/test_internals.py checks they still exist).
+  this one place (utils/course/internals.py lists the names, and tests/test_internals.py checks they still exist).
 """
 
 import torch.distributed as dist

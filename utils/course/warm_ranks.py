@@ -44,7 +44,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOCKET_VARIABLE = "COURSE_WARM_RANKS"  # where the pool listens; set for the processes a test session starts
 
 # What every lesson imports that takes seconds: imported once, in the pool, before any fork.
@@ -70,7 +70,7 @@ def differs_at_import(env: dict, pool_env: dict) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# The client side: what tests/launch.py and utils/notebook.py call
+# The client side: what tests/launch.py and utils/course/notebook.py call
 # --------------------------------------------------------------------------------------------------
 
 
@@ -102,7 +102,7 @@ class WarmRanks:
         folder = tempfile.mkdtemp(prefix="course-warm-ranks-")
         path = os.path.join(folder, "socket")
         process = subprocess.Popen(
-            [sys.executable, "-m", "utils.warm_ranks", path], cwd=ROOT, env=env,
+            [sys.executable, "-m", "utils.course.warm_ranks", path], cwd=ROOT, env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         ready = process.stdout.readline()  # one line once the imports are done and the socket listens
@@ -193,7 +193,7 @@ def _kill_group(pid: int):
 
 
 # --------------------------------------------------------------------------------------------------
-# The pool's side: `python -m utils.warm_ranks SOCKET`
+# The pool's side: `python -m utils.course.warm_ranks SOCKET`
 # --------------------------------------------------------------------------------------------------
 
 

@@ -20,9 +20,9 @@ pre-lesson code, put that code, commented out, after a `# EXERCISE` line inside 
     # model = model  (the exercise gets these lines without their leading "# ")
     # END SOLUTION
 
-    python -m utils.make_exercises           # write every exercise
-    python -m utils.make_exercises --lesson 03  # one lesson's exercise only
-    python -m utils.make_exercises --check   # exit 1 if an exercise is stale (what the tests run)
+    python -m utils.course.make_exercises           # write every exercise
+    python -m utils.course.make_exercises --lesson 03  # one lesson's exercise only
+    python -m utils.course.make_exercises --check   # exit 1 if an exercise is stale (what the tests run)
 """
 
 import argparse
@@ -32,12 +32,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TODO_HEADER = re.compile(r"^(\s*)# TODO (\d+): (.+)$")
 BEGIN, EXERCISE, END = "# BEGIN SOLUTION", "# EXERCISE", "# END SOLUTION"
 GENERATED_NOTE = (
     "# Exercise for lesson {lesson}: complete the numbered TODOs. (This file is generated from\n"
-    "# solutions/{name} by `python -m utils.make_exercises`; course maintainers edit the solution.)\n"
+    "# solutions/{name} by `python -m utils.course.make_exercises`;\n"
+    "# course maintainers edit the solution.)\n"
 )
 
 
@@ -151,7 +152,7 @@ def main() -> int:
         names = ", ".join(str(p.relative_to(ROOT)) for p in stale)
         print(
             f"error: {names} differ from what solutions/ generates. Maintainers: run "
-            "`python -m utils.make_exercises`. (A learner's completed exercise differs on purpose.)",
+            "`python -m utils.course.make_exercises`. (A learner's completed exercise differs on purpose.)",
             file=sys.stderr,
         )
         return 1

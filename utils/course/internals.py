@@ -113,13 +113,13 @@ INTERNALS = [
     ),
     Internal(
         "torch.distributed.tensor.experimental._attention._cp_options",
-        "utils/compat.py (configure_context_parallel), called by solutions/09_context_parallelism.py",
+        "utils/course/compat.py (configure_context_parallel), called by solutions/09_context_parallelism.py",
         "choose the causal load balancing of context_parallel (the public API has no switch for it)",
         "none in torch 2.11-2.13: the default options",
     ),
     Internal(
         "torch.distributed.tensor.experimental._attention.set_rotate_method",
-        "utils/compat.py (configure_context_parallel), called by solutions/09_context_parallelism.py",
+        "utils/course/compat.py (configure_context_parallel), called by solutions/09_context_parallelism.py",
         "pass keys and values around the ring (the from-scratch lesson's method) instead of all-gathering them",
         "none in torch 2.11-2.13: the default (all-gather)",
     ),
@@ -131,13 +131,13 @@ INTERNALS = [
     ),
     Internal(
         "env:TORCHELASTIC_USE_AGENT_STORE",
-        "utils/warm_ranks.py (the test suite's warm ranks set what torchrun sets)",
+        "utils/course/warm_ranks.py (the test suite's warm ranks set what torchrun sets)",
         "ranks connect to the store their launcher hosts, as under torchrun's agent",
         "run the tests cold (COURSE_COLD_RANKS=1): torchrun sets it itself",
     ),
     Internal(
         "env:TORCHELASTIC_SIGNALS_TO_HANDLE",
-        "utils/warm_ranks.py (the test suite's warm ranks set what torchrun sets)",
+        "utils/course/warm_ranks.py (the test suite's warm ranks set what torchrun sets)",
         "the signals a worker forwards, as torchrun passes them",
         "run the tests cold (COURSE_COLD_RANKS=1): torchrun sets it itself",
     ),

@@ -1,18 +1,18 @@
 """Run the lesson scripts from a notebook cell, the way you would in a terminal, or type on live ranks.
 
-    from utils.notebook import torchrun
+    from utils.course.notebook import torchrun
     metrics = torchrun("solutions/01_collectives.py", nproc=4, args=["--steps", "5"])
 
 is `torchrun --nproc_per_node=4 solutions/01_collectives.py --steps 5 --metrics-out ...`, printing
 what rank 0 prints and returning the script's metrics file as a dict.
 
-    from utils.notebook import start_ranks
+    from utils.course.notebook import start_ranks
     ranks = start_ranks(4)        # 4 processes (ipyparallel engines), each rank r of one process group
     %%px                          # a cell that every rank runs; `rank`, `world_size`, `device`, `dist` exist
     x = torch.ones(2, device=device) * rank; dist.all_reduce(x); print(x)
     ranks.stop()                  # leave the group, stop the processes
 
-After a crashed kernel, stop leftover ranks from a terminal with `python -m utils.notebook stop-ranks`.
+After a crashed kernel, stop leftover ranks from a terminal with `python -m utils.course.notebook stop-ranks`.
 """
 
 import contextlib
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def kill_tree(pid: int):
@@ -69,9 +69,9 @@ def torchrun(script, nproc: int = 2, args=(), *, show: bool = True, timeout: flo
 
 
 def _launch(command: list, nproc: int, env: dict, timeout: float, script, cold: bool) -> tuple[int, str, str]:
-    """Run torchrun's command; under `make test` on the test session's warm ranks instead (utils/warm_ranks.py),
+    """Run torchrun's command; under `make test` on the test session's warm ranks instead (utils/course/warm_ranks.py),
     which print the same and start in a fraction of the time, unless `cold`."""
-    from utils.warm_ranks import WarmRanks
+    from utils.course.warm_ranks import WarmRanks
 
     pool = None if cold else WarmRanks.from_environment()
     if pool is not None and pool.can_launch(env):
@@ -129,7 +129,7 @@ if dist.is_initialized():
 
 _LAB = """
 import importlib.util
-from utils.lab import run_case
+from utils.course.lab import run_case
 _spec = importlib.util.spec_from_file_location("lab_lesson", {path!r})
 _lesson = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_lesson)
@@ -243,12 +243,12 @@ class Ranks:
         return self.view.pull("_pulled", block=True)
 
     def run_lab(self, case: str, script: str) -> tuple[bool, list[str]]:
-        """Run debugging-lab case `case` (utils/lab.py) with the functions of `script` (e.g.
+        """Run debugging-lab case `case` (utils/course/lab.py) with the functions of `script` (e.g.
         "exercises/01_collectives.py", loaded afresh: your latest edit counts) on every rank. Returns
         (passed, one line per rank). Each case leaves the ranks a fresh process group, as the check does: a
         timed-out collective leaves a group unusable, and send/recv between some ranks leaves DETAIL's
         count of collectives different on the others."""
-        from utils.lab import verdict
+        from utils.course.lab import verdict
 
         code = _LAB.format(path=str(ROOT / script), case=case)
         self.view.execute(code, block=True)
@@ -343,6 +343,6 @@ def stop_leftover_ranks(even_in_use: bool = False) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:] not in (["stop-ranks"], ["stop-ranks", "--all"]):
-        sys.exit("usage: python -m utils.notebook stop-ranks [--all]   (stop ranks left running by a crashed notebook)")
+        sys.exit("usage: python -m utils.course.notebook stop-ranks [--all]   (stop the ranks a crashed notebook left)")
     count = stop_leftover_ranks(even_in_use=sys.argv[2:] == ["--all"])
     print(f"stopped {count} set(s) of ranks left by notebooks")

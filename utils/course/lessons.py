@@ -1,6 +1,6 @@
 """An earlier lesson's solution as a module, so that a later lesson composes its technique instead of copying it.
 
-    from utils.lessons import lesson, load_script
+    from utils.course.lessons import lesson, load_script
     tensor_parallel = lesson("04")                       # solutions/04_tensor_parallel.py, imported once
     tensor_parallel.parallelize_scratch(model, group)    # lesson 04's hand-written f/g layers
     learner = load_script("exercises/04_tensor_parallel.py", "learner")  # any script by path, fresh each call
@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
+SOLUTIONS = Path(__file__).resolve().parents[2] / "solutions"
 
 
 @cache

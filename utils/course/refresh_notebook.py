@@ -1,6 +1,6 @@
 """Re-execute notebooks in place, the way their committed outputs are made (maintainers; `make outputs`).
 
-    python -m utils.refresh_notebook notebooks/02_data_parallel.ipynb [more notebooks]
+    python -m utils.course.refresh_notebook notebooks/02_data_parallel.ipynb [more notebooks]
 
 Each notebook runs top to bottom in a fresh kernel started in its own folder, on the CPU (gloo), one thread per
 process (torch's own threads would otherwise compete with the ranks for the cores). One difference from running
@@ -19,7 +19,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from utils.measured import QUIET, load_average, wait_until_quiet
+from utils.course.measured import QUIET, load_average, wait_until_quiet
 
 TAG = "quiet-before"  # in a cell's metadata: wait for a quiet machine before running it
 
@@ -48,7 +48,7 @@ def refresh(path: Path):
 def main():
     paths = [Path(arg) for arg in sys.argv[1:]]
     if not paths or not all(path.suffix == ".ipynb" and path.exists() for path in paths):
-        sys.exit("usage: python -m utils.refresh_notebook notebooks/NN_name.ipynb [...]")
+        sys.exit("usage: python -m utils.course.refresh_notebook notebooks/NN_name.ipynb [...]")
     # The committed outputs are CPU runs (gloo), one thread per rank, as `make notebooks` checks them.
     os.environ.update({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
     for path in paths:
