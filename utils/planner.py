@@ -1057,11 +1057,9 @@ def main(argv=None) -> int:
     state = {"precision": args.precision, "optimizer": args.optimizer}
     options = dict(micro_batches=micro_batches, sequence_parallel=not args.no_sequence_parallel, cps=cps, eps=eps,
                    virtual_stages=vs)  # fmt: skip
+    if args.unfused_attention:  # every layout, and every alternative what_would_run tries
+        options["software"] = {"fused_attention": False}
     predictions = plan(model, cluster, args.global_batch, **options, **state)
-    if args.unfused_attention:
-        layouts = [replace(pred.layout, fused_attention=False) for pred in predictions]
-        predictions = [evaluate(model, cluster, layout, args.global_batch, **state) for layout in layouts]
-        predictions.sort(key=lambda pred: (not pred.fits, -round(pred.tokens_per_s, 6), pred.memory))
     runnable = [pred for pred in predictions if pred.fits]
     print(
         f"{args.params:.3g} parameters, {args.gpus} x {cluster.name} ({args.gpus_per_node} per node, "
