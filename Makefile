@@ -58,7 +58,7 @@ lint: setup
 # tests compare against them (CUDA_VISIBLE_DEVICES= hides the GPUs from every process started here).
 # TEST_WORKERS pytest processes share the tests (pytest-xdist); a test file or a notebook stays on one of them
 # (--dist loadscope), so its module fixtures and its kernel are its own, and the longest files start first
-# (tests/session_plugin.py). Two fill a 2-core machine: the launches spend much of their time waiting.
+# (tests/harness/session_plugin.py). Two fill a 2-core machine: the launches spend much of their time waiting.
 # TEST_WORKERS=0 runs everything in one stream, in file order.
 TEST_WORKERS ?= 2
 test: lint
@@ -81,10 +81,10 @@ outputs: setup
 	$(BIN)/python -m utils.course.refresh_notebook notebooks/$(LESSON)_*.ipynb
 
 check: setup
-	@# pytest's own report is silenced; tests/todo_report.py prints one line per TODO and a count. The tests that
+	@# pytest's own report is silenced; tests/harness/todo_report.py prints one line per TODO and a count. The tests that
 	@# submit Slurm jobs are left out (on a login node they would queue on the real cluster): they check the
 	@# sbatch files, not the TODOs, and `pytest -m slurm` runs them. Every launch forks warm ranks, the first one
-	@# too (COURSE_FIRST_LAUNCH_WARM, tests/launch.py): what is checked is the TODOs, which torchrun does not change,
+	@# too (COURSE_FIRST_LAUNCH_WARM, tests/harness/launch.py): what is checked is the TODOs, which torchrun does not change,
 	@# and `make test` runs each script under torchrun itself. Launches that need torchrun's agent still use it.
 	@COURSE_FIRST_LAUNCH_WARM=1 CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest tests/test_$(LESSON)_*.py --target exercises -qq --tb=no -rN \
 		-o addopts="" -p no:warnings -m "not slurm" || true
@@ -96,7 +96,7 @@ mutants: setup
 	CUDA_VISIBLE_DEVICES= $(BIN)/python -m tests.mutants --partial-credit $(if $(filter command line,$(origin LESSON)),--lesson $(LESSON),)
 
 test-gpu: setup
-	$(BIN)/python -m tests.gpu_check
+	$(BIN)/python -m tests.harness.gpu_check
 
 # The oldest torch the course supports, in its own environment: every lesson's script at 2 ranks on the CPU,
 # losses compared with the same runs under .venv's torch.
@@ -107,7 +107,7 @@ test-gpu: setup
 	touch $@
 
 test-floor: setup .venv-floor/.installed
-	CUDA_VISIBLE_DEVICES= .venv-floor/bin/python -m tests.floor_check --reference $(BIN)/python
+	CUDA_VISIBLE_DEVICES= .venv-floor/bin/python -m tests.harness.floor_check --reference $(BIN)/python
 
 exercises: setup
 	$(BIN)/python -m utils.course.make_exercises

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `import utils` and `from tests.launch import ...` from any directory
+sys.path.insert(0, str(ROOT))  # `import utils` and `from tests.harness.launch import ...` from any directory
 
 
 def target_folder(config) -> Path:
@@ -22,7 +22,7 @@ def checks_a_learners_copy(config) -> bool:
 
 def pytest_configure(config):
     if checks_a_learners_copy(config):
-        from tests.todo_report import TodoReport
+        from tests.harness.todo_report import TodoReport
 
         config.pluginmanager.register(TodoReport(target_folder(config)), "todo-report")  # one line per TODO at the end
 
@@ -41,7 +41,7 @@ def make_check_skips(item) -> str | None:
     one that is not. The reason `item` is skipped, or None where it runs."""
     if not checks_a_learners_copy(item.config):
         return None
-    from tests.todo_report import not_started, todos_of
+    from tests.harness.todo_report import not_started, todos_of
 
     lesson = re.match(r"tests/test_(\d\d)_", item.nodeid)
     if not lesson:

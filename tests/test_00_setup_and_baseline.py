@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, python, torchrun
-from tests.option_effects import check_shared_options, fake_wikitext
+from tests.harness.launch import ROOT, course_env, python, torchrun
+from tests.harness.option_effects import check_shared_options, fake_wikitext
 from utils.data import load_token_dataset
 from utils.metrics import param_checksum
 from utils.model import TINY, ModelConfig, build_model, loss_fn
@@ -162,7 +162,7 @@ def test_wikitext_without_prepared_cache_stops_at_once(lesson, tmp_path):
 
 def test_shared_options_change_the_run(lesson, tmp_path):
     """Every option of the shared command line, at a value other than its default, trains another run: the one
-    the same steps written out with PyTorch alone give (tests/option_effects.py), logged where it says."""
+    the same steps written out with PyTorch alone give (tests/harness/option_effects.py), logged where it says."""
     fake_wikitext(tmp_path / "data")
     args = [
         "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",

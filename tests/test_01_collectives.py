@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.launch import ROOT, python, torchrun
+from tests.harness.launch import ROOT, python, torchrun
 from utils.course.lab import failure
 
 WORKER = ROOT / "tests" / "workers" / "collectives_check.py"

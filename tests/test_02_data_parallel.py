@@ -19,8 +19,8 @@ import math
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, finished, python, torchrun
-from tests.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
+from tests.harness.launch import ROOT, course_env, finished, python, torchrun
+from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.course.lab import failure
 from utils.course.make_exercises import make_exercise
 from utils.metrics import param_checksum
@@ -495,7 +495,7 @@ def test_autocast_bf16_is_honoured_as_in_lesson_00(lesson, tmp_path):
 def test_shared_options_change_the_run(lesson, tmp_path):
     """Every option of the shared command line, and lesson 02's batch recipe options, at values other than their
     defaults, on one process: the run trains like the same steps written out with PyTorch alone
-    (tests/option_effects.py): 2 micro-batches of 2 are one batch of 4, at the learning rate x sqrt(4 / 8)."""
+    (tests/harness/option_effects.py): 2 micro-batches of 2 are one batch of 4, at the learning rate x sqrt(4 / 8)."""
     fake_wikitext(tmp_path / "data")
     trace = tmp_path / "trace.json"
     args = [

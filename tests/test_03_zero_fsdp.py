@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, python, torchrun
-from tests.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
+from tests.harness.launch import ROOT, course_env, python, torchrun
+from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.course.lessons import load_script
 from utils.course.make_exercises import BEGIN, END, EXERCISE, make_exercise
 from utils.memory import model_state_bytes, padded_numel, peak_model_state_bytes
@@ -790,7 +790,7 @@ def test_autocast_is_refused_not_ignored(lesson, tmp_path):
 def test_shared_options_change_the_run(lesson, tmp_path):
     """Every option of the shared command line at a value other than its default, on one process with DDP (the
     strategy no TODO stands in the way of): the run trains like the same steps written out with PyTorch alone
-    (tests/option_effects.py, a DistributedSampler of one replica) and logs into its strategy's folder."""
+    (tests/harness/option_effects.py, a DistributedSampler of one replica) and logs into its strategy's folder."""
     fake_wikitext(tmp_path / "data")
     args = [
         "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",

@@ -18,8 +18,8 @@ import re
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, finished, python, torchrun
-from tests.option_effects import check_shared_options, fake_wikitext, passed
+from tests.harness.launch import ROOT, course_env, finished, python, torchrun
+from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.model import ModelConfig
@@ -253,7 +253,7 @@ def test_tp_impl_and_sequence_parallel_change_the_layers_and_the_collectives(run
 def test_shared_options_change_the_run(lesson, tmp_path):
     """Every option of the shared command line but --autocast (refused), at a value other than its default, on one
     process (a tensor-parallel group of one, the default --tp-impl dtensor): the run trains like the same steps
-    written out with PyTorch alone on lesson 00's batches (tests/option_effects.py), logged where it says."""
+    written out with PyTorch alone on lesson 00's batches (tests/harness/option_effects.py), logged where it says."""
     fake_wikitext(tmp_path / "data")
     args = [
         "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",

@@ -22,8 +22,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, finished, python, torchrun
-from tests.option_effects import check_shared_options, fake_wikitext, passed
+from tests.harness.launch import ROOT, course_env, finished, python, torchrun
+from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.model import ModelConfig, build_model, flops_per_token, loss_fn
@@ -637,7 +637,7 @@ def test_shared_options_change_the_run(lesson, tmp_path, needs):
     """Every shared option but --autocast (refused), at a value other than its default, on one process holding
     both stages of the built-in interleaved zero-bubble schedule (the one --schedule choice the runs above leave
     out): the run trains like the same steps written out with PyTorch alone on lesson 00's batches
-    (tests/option_effects.py), logged where it says, each stage running F, B and W for each micro-batch."""
+    (tests/harness/option_effects.py), logged where it says, each stage running F, B and W for each micro-batch."""
     needs(1)
     fake_wikitext(tmp_path / "data")
     args = [

@@ -20,8 +20,8 @@ import re
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, finished, python, torchrun
-from tests.option_effects import check_shared_options, fake_wikitext
+from tests.harness.launch import ROOT, course_env, finished, python, torchrun
+from tests.harness.option_effects import check_shared_options, fake_wikitext
 from utils import lesson06_timeline, planner
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
@@ -583,7 +583,7 @@ def test_output_is_clean_and_rank0_prints_once(run, needs, name):
 def test_shared_options_change_the_run(lesson, tmp_path):
     """Every option of the shared command line but --autocast (refused), at a value other than its default, on one
     process (a grid of 1 x 1 x 1, from scratch, 2 micro-batches): the run trains like the same steps written out
-    with PyTorch alone on lesson 00's batches (tests/option_effects.py), logged where it says."""
+    with PyTorch alone on lesson 00's batches (tests/harness/option_effects.py), logged where it says."""
     fake_wikitext(tmp_path / "data")
     args = [
         "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from tests.slurm_helpers import ROOT, cancel, cluster_problem, cluster_report, read_output, submit, wait
+from tests.harness.slurm_helpers import ROOT, cancel, cluster_problem, cluster_report, read_output, submit, wait
 from utils.report import read_runs, scaling_rows
 
 pytestmark = pytest.mark.slurm

@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.launch import ROOT, course_env, python, torchrun
-from tests.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
+from tests.harness.launch import ROOT, course_env, python, torchrun
+from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.course.make_exercises import make_exercise
 from utils.model import ModelConfig, build_model, count_parameters
 
@@ -521,7 +521,7 @@ def test_autocast_bf16_runs_the_forward_in_bf16(run):
 
 def test_shared_options_change_the_run(lesson, tmp_path):
     """Every option of the shared command line at a value other than its default, on one process: the run trains
-    like the same steps written out with PyTorch alone (tests/option_effects.py), logged where it says."""
+    like the same steps written out with PyTorch alone (tests/harness/option_effects.py), logged where it says."""
     fake_wikitext(tmp_path / "data")
     args = [
         "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",

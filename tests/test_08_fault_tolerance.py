@@ -30,9 +30,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from tests import launch
-from tests.launch import ROOT, Run, _run, course_env, python
-from tests.option_effects import check_shared_options, fake_wikitext, passed
+from tests.harness import launch
+from tests.harness.launch import ROOT, Run, _run, course_env, python
+from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
 from utils.course.notebook import kill_tree
 from utils.model import ModelConfig, build_model
 
@@ -54,7 +54,7 @@ RESHARD_TOLERANCE = 1e-4  # relative, on each loss: FSDP over 4 and 2 ranks adds
 def torchrun(script, nproc: int, args, *, folder, max_restarts: int = 0, timeout: float = 300) -> Run:
     """torchrun with restarts that work: --standalone, with each restart's workers on a fresh TCP store
     (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; else restarted workers may read the dead workers' addresses).
-    A run without restarts launches as the other lessons' do (warm ranks where it can, tests/launch.py)."""
+    A run without restarts launches as the other lessons' do (warm ranks where it can, tests/harness/launch.py)."""
     if not max_restarts:
         env = course_env(COURSE_NO_PROGRESS=1)
         return launch.torchrun(script, nproc, args, tmp_path=folder, timeout=timeout, env=env)
@@ -465,7 +465,8 @@ def test_damaged_checkpoint_skipped_and_resume_at_another_world_size(run, lesson
 def test_shared_options_change_the_run(lesson, tmp_path):
     """Every shared option this script takes, and its schedule, noise and test-only delays, at values other than
     their defaults on one process: the run trains like the same SGD steps written out with PyTorch alone
-    (tests/option_effects.py) under the warm-up-then-cosine schedule, with no token noise, and waits where told."""
+    (tests/harness/option_effects.py) under the warm-up-then-cosine schedule, with no token noise, and waits where
+    told."""
     fake_wikitext(tmp_path / "data")
     args = [
         "--steps", 3, "--seed", 3, "--batch-size", 4, "--optimizer", "sgd", "--lr", 0.05, "--dataset", "wikitext",
@@ -676,7 +677,16 @@ def read_text_if_there(path) -> str:
 def test_slurm_requeue_on_preemption_signal_resumes_and_completes(target):
     """SIGUSR1 to the batch script (what --signal=B:USR1@120 sends before the time limit): the trap passes it on,
     the ranks save and stop, the script requeues the job, and the second attempt resumes and completes."""
-    from tests.slurm_helpers import FINAL_STATES, cancel, cluster_problem, job_record, read_output, slurm, submit, wait
+    from tests.harness.slurm_helpers import (
+        FINAL_STATES,
+        cancel,
+        cluster_problem,
+        job_record,
+        read_output,
+        slurm,
+        submit,
+        wait,
+    )
 
     in_ci = os.environ.get("CI") == "true"
     problem = cluster_problem(1, wait_s=60 if in_ci else 10)

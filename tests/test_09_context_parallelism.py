@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.launch import ROOT, course_env, finished, python, torchrun
-from tests.option_effects import check_shared_options, fake_wikitext
+from tests.harness.launch import ROOT, course_env, finished, python, torchrun
+from tests.harness.option_effects import check_shared_options, fake_wikitext
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.lesson_09.options import CPU_ATTEMPT
@@ -792,7 +792,7 @@ def test_impl_builtin_is_refused_on_cpu_for_the_reason_it_gives(script_path, tmp
     """On a CPU the script refuses --impl builtin in one line, saying why; and the why holds on this torch: the
     CPU has a fused flash kernel, which context_parallel does not handle."""
     if torch.cuda.is_available():
-        pytest.skip("a GPU is visible: --impl builtin runs there (tests/gpu_check.py)")
+        pytest.skip("a GPU is visible: --impl builtin runs there (tests/harness/gpu_check.py)")
     result = python(script_path, [*COMMON, "--impl", "builtin", "--log-dir", tmp_path / "runs"], env=ENV, timeout=90)
     errors = [line for line in result.output.splitlines() if "ERROR:" in line]
     assert result.returncode == 2 and len(errors) == 1, result.tail()
@@ -808,7 +808,7 @@ def test_impl_builtin_is_refused_on_cpu_for_the_reason_it_gives(script_path, tmp
 def test_shared_options_change_the_run(script_path, tmp_path):
     """Every shared option but --autocast (refused), at a value other than its default, on one process (a ring of
     one, --cp-split contiguous): the run trains like the same steps written out with PyTorch alone on lesson 00's
-    batches (tests/option_effects.py), logged where it says."""
+    batches (tests/harness/option_effects.py), logged where it says."""
     fake_wikitext(tmp_path / "data")
     args = [
         "--impl", "ring", "--cp-split", "contiguous",

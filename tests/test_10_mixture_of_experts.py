@@ -21,8 +21,8 @@ import re
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, finished, python, torchrun
-from tests.option_effects import fake_wikitext, passed
+from tests.harness.launch import ROOT, course_env, finished, python, torchrun
+from tests.harness.option_effects import fake_wikitext, passed
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.lesson_10.reference import reference_routing, reference_slots, train_reference

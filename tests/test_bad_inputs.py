@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.launch import ROOT, python
+from tests.harness.launch import ROOT, python
 from utils.training import base_parser, parse_args
 
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.launch import ROOT, torchrun
+from tests.harness.launch import ROOT, torchrun
 
 WORKER = ROOT / "tests" / "workers" / "collective_counter_check.py"
 F = 4  # bytes per float32

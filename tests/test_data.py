@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import ROOT
+from tests.harness.launch import ROOT
 from utils.data import (
     TokenBlocks,
     decode,

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.launch import ROOT, course_env, python, torchrun
+from tests.harness.launch import ROOT, course_env, python, torchrun
 from tests.workers.utils_check import batch, small_model
 from utils.distributed_utils import free_port
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.launch import ROOT, torchrun
+from tests.harness.launch import ROOT, torchrun
 from utils.course.make_exercises import MarkerError, expected_exercises, make_exercise
 
 SOLUTION = """import torch

@@ -1,12 +1,12 @@
 """Bad situations end a job with a message that names the cause, never a hang.
 
-The launcher's timeout (tests/launch.py) turns a hang into a failed test, so each test here
+The launcher's timeout (tests/harness/launch.py) turns a hang into a failed test, so each test here
 proves the job ended by itself well within that bound.
 """
 
 import pytest
 
-from tests.launch import ROOT, course_env, torchrun
+from tests.harness.launch import ROOT, course_env, torchrun
 
 WORKER = ROOT / "tests" / "workers" / "failure_check.py"
 

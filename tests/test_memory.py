@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.launch import ROOT
+from tests.harness.launch import ROOT
 from utils.memory import bytes_per_param, model_state_bytes, padded_numel, peak_model_state_bytes
 
 

@@ -12,7 +12,7 @@ pytest.importorskip("ipyparallel")
 
 from ipyparallel.error import CompositeError  # noqa: E402
 
-from tests.launch import ROOT  # noqa: E402
+from tests.harness.launch import ROOT  # noqa: E402
 from utils.course.notebook import _visible_gpus, explain, start_ranks  # noqa: E402
 
 GPUS = _visible_gpus()  # NCCL with one GPU per rank where GPUs exist, gloo on the CPU otherwise
@@ -96,7 +96,7 @@ def test_stop_ranks_command_cleans_up_after_a_killed_kernel():
     import subprocess
     import sys
 
-    from tests.launch import ROOT, course_env
+    from tests.harness.launch import ROOT, course_env
 
     env = course_env()
     started = subprocess.run(

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.launch import ROOT, python
+from tests.harness.launch import ROOT, python
 from utils.training import SHARED_OPTIONS
 from utils.training import parse_args as real_parse_args
 

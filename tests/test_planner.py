@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.launch import ROOT
+from tests.harness.launch import ROOT
 from utils.memory import model_state_bytes
 from utils.planner import (
     HARDWARE,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import ROOT
+from tests.harness.launch import ROOT
 
 ACTIVATED = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 ACTIVATED.pop("PYTHONPATH", None)  # an activated environment sets none

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.launch import ROOT
+from tests.harness.launch import ROOT
 from utils.report import comparison_rows, comparison_table, figure, layout_name, read_runs, scaling_rows, select, table
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, WeightedRandomSampler
 
-from tests.launch import ROOT, torchrun
+from tests.harness.launch import ROOT, torchrun
 from utils.sharding import DatasetShardSampler, ShardedBatchSampler, StridedIterable, memory_mb
 
 

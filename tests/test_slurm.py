@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm_helpers import (
+from tests.harness.slurm_helpers import (
     ROOT,
     SlurmError,
     cancel,

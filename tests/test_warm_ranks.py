@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from tests.launch import ROOT, course_env, python, torchrun, warm_pool
+from tests.harness.launch import ROOT, course_env, python, torchrun, warm_pool
 from utils.course.warm_ranks import WarmRanks, differs_at_import
 
 PROBE = ROOT / "tests" / "workers" / "warm_probe.py"

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.launch import course_env
+from tests.harness.launch import course_env
 from tests.mutants import Mutant
 from utils.course.make_exercises import BEGIN, END, TODO_HEADER, make_exercise
 
@@ -94,7 +94,7 @@ def check_lessons(scripts: dict[str, str], tests: str | None = None) -> dict[str
         command = [sys.executable, "-m", "pytest", *test_files,
                    "--target-dir", folder, "-qq", "--tb=no", "-rN", "-o", "addopts=", "-p", "no:warnings",
                    "-p", "no:cacheprovider", "-m", "not slurm", *(["-k", tests] if tests else [])]  # fmt: skip
-        env = {**os.environ, "COURSE_FIRST_LAUNCH_WARM": "1"}  # tests/launch.py: the TODOs, not torchrun, under test
+        env = {**os.environ, "COURSE_FIRST_LAUNCH_WARM": "1"}  # the TODOs under test, not torchrun
         output = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True).stdout
     # The report has one section a lesson, from its "Lesson NN: <script>" line to its "k of N TODOs done".
     sections = {part[7:9]: part for part in re.split(r"^(?=Lesson \d\d: )", output, flags=re.M)[1:]}
@@ -164,7 +164,7 @@ def run_partial_credit(selected: list[str]) -> int:
 def share_warm_ranks():
     """One warm-ranks pool for every check this command runs (each check is a pytest session of its own, which
     would otherwise start one): its launches fork from a process that imported torch once."""
-    from tests.launch import warm_pool
+    from tests.harness.launch import warm_pool
 
     warm_pool(course_env())  # started, and its socket put in os.environ, which the checks inherit
 

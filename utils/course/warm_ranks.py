@@ -70,7 +70,7 @@ def differs_at_import(env: dict, pool_env: dict) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# The client side: what tests/launch.py and utils/course/notebook.py call
+# The client side: what tests/harness/launch.py and utils/course/notebook.py call
 # --------------------------------------------------------------------------------------------------
 
 

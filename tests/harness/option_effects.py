@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.launch import Run
+from tests.harness.launch import Run
 from utils.data import load_token_dataset, token_file
 from utils.metrics import param_checksum
 from utils.model import ModelConfig, build_model, loss_fn

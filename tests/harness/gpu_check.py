@@ -18,7 +18,7 @@ sizes with bf16 autocast, and the peak CUDA memory of each lesson 03 strategy be
 estimate, and writes them with the machine, driver, versions, load and command to
 notebooks/data/gpu_figures.json.
 
-    python -m tests.gpu_check [--figures] [--lessons 00 02] [--quick]
+    python -m tests.harness.gpu_check [--figures] [--lessons 00 02] [--quick]
 Without a GPU it stops at once with one line saying so: it never passes silently.
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from tests.launch import ROOT, Run, course_env, torchrun
+from tests.harness.launch import ROOT, Run, course_env, torchrun
 from utils.model import GPU_EXAMPLE, TINY, ModelConfig, flops_per_token
 
 FP32_RTOL = 1e-4  # relative difference of each logged loss, GPU vs CPU, after a few fp32 SGD steps
@@ -247,11 +247,12 @@ def measure_figures(tmp: Path) -> dict:
             "peak_cuda_allocated_bytes": metrics["peak_memory_bytes"],
         })  # fmt: skip
     return {
-        "about": "Measured by `python -m tests.gpu_check --figures` on one GPU. Throughput: lesson 00's script, "
+        "about": "Measured by `python -m tests.harness.gpu_check --figures` on one GPU. Throughput: lesson 00's "
+        "script, "
         "bf16 autocast, 60 steps, median of 3 runs. Memory: lesson 03's script at world size 1 (AdamW, fp32 "
         "state), where every strategy holds the whole model: the peak shows the model state plus activations "
         "and temporaries on one device, not the sharding, which needs several GPUs.",
-        "command": "python -m tests.gpu_check --figures",
+        "command": "python -m tests.harness.gpu_check --figures",
         "machine": machine(),
         "peak_bf16_flops": peak,
         "throughput": throughput,

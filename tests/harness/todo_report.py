@@ -17,7 +17,7 @@ from pathlib import Path
 
 from utils.course.make_exercises import TODO_HEADER, make_exercise
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEST_TODOS = re.compile(r"^test_todos?_?((?:\d+_)+)")
 
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Where tests/slurm_cluster/start.sh keeps the local cluster's state and logs.
 LOCAL_CLUSTER_DIR = Path(os.environ.get("COURSE_SLURM_DIR", "/tmp/course-slurm"))
 COMMAND_TIMEOUT_S = 20  # a Slurm command that takes longer means slurmctld is not answering

@@ -5,7 +5,7 @@ included) runs on the tested release in `.venv`; this check runs each lesson's s
 CPU under the floor release (`.venv-floor`, this interpreter) and under `--reference` (`.venv`'s python),
 and requires the same losses from both.
 
-    .venv-floor/bin/python -m tests.floor_check --reference .venv/bin/python [--lessons 03 05]
+    .venv-floor/bin/python -m tests.harness.floor_check --reference .venv/bin/python [--lessons 03 05]
 """
 
 import argparse
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tests.launch import ROOT, course_env, torchrun
+from tests.harness.launch import ROOT, course_env, torchrun
 
 LOSS_RTOL = 1e-5  # the same fp32 SGD steps on two torch releases: rounding, not algorithm, may differ
 SMALL = ["--steps", "3", "--optimizer", "sgd", "--log-every", "1"]

@@ -25,7 +25,7 @@ from pathlib import Path
 from utils.course.notebook import kill_tree
 from utils.course.warm_ranks import SOCKET_VARIABLE, WarmRanks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The session's set-up and report for every run of the suite, notebooks included (pyproject.toml loads it with
-`-p tests.session_plugin`: a conftest.py under tests/ would not see the notebooks' cells).
+`-p tests.harness.session_plugin`: a conftest.py under tests/ would not see the notebooks' cells).
 
 - The suite never downloads: HF_*_OFFLINE and WANDB_MODE=offline for this process and the kernels it starts.
   The kernels' launches then read what the tests' launches read (HF_* at `import datasets`), so both use the
@@ -12,14 +12,14 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
 def pytest_configure(config):
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
     if getattr(config.option, "nbval", False) and os.environ.get("COURSE_COLD_RANKS") != "1":
-        from tests.launch import course_env, warm_pool
+        from tests.harness.launch import course_env, warm_pool
 
         warm_pool(course_env())  # started before the first kernel, so that every kernel finds it
 

@@ -1,0 +1,1 @@
+"""The test harness: launching ranks, the pytest plugin, the per-TODO report, GPU and floor checks, Slurm."""
