@@ -2,6 +2,7 @@
 #   make lab                 open the course: JupyterLab on the notebooks
 #   make test                every check on the CPU: lint, exercises in sync, tests, notebooks (what CI runs)
 #   make check LESSON=01     check your completed exercise for one lesson: one line per TODO
+#   make hint LESSON=06 TODO=5   the next hint for one TODO (three levels: the idea, the steps, nearly the code)
 #   make notebooks [LESSON=01]  instructors: run the notebooks (nbval), with each notebook's time
 #   make mutants [LESSON=03] instructors: the plausible mistakes each TODO's tests must catch (tests/mutants/)
 #   make test-gpu            instructors on a GPU node: every lesson with NCCL on the GPUs, against the CPU
@@ -36,7 +37,7 @@ define install_torch
 	else $(1) install --quiet "torch==$(2)"; fi
 endef
 
-.PHONY: setup lab test lint check notebooks outputs mutants test-gpu test-floor exercises clean
+.PHONY: setup lab test lint check hint notebooks outputs mutants test-gpu test-floor exercises clean
 
 $(VENV)/.installed: requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -79,6 +80,9 @@ endif
 endif
 outputs: setup
 	$(BIN)/python -m utils.course.refresh_notebook notebooks/$(LESSON)_*.ipynb
+
+hint: setup
+	@$(BIN)/python -m utils.course.hints $(LESSON) $(TODO)
 
 check: setup
 	@# pytest's own report is silenced; tests/harness/todo_report.py prints one line per TODO and a count. The tests that

@@ -15,7 +15,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from utils.course.make_exercises import TODO_HEADER, make_exercise
+from utils.course.hints import seen
+from utils.course.make_exercises import HINT_LEVELS, TODO_HEADER, make_exercise
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_TODOS = re.compile(r"^test_todos?_?((?:\d+_)+)")
@@ -69,7 +70,18 @@ def one_line(report) -> str:
     first = text.strip().splitlines()[0] if text.strip() else "failed"
     first = re.sub(r"^(AssertionError|Failed|RuntimeError|[A-Za-z]+Error):\s*", "", first)
     first = re.sub(r"^TODO \d+(?: \([^)]*\))?[:,]\s*", "", first)
-    return first if len(first) <= 160 else first[:157] + "..."
+    return first if len(first) <= 200 else first[:197] + "..."
+
+
+def hint_note(lesson: str, todo) -> str:
+    """Which of a failing TODO's hints the learner has read, and how to ask for the next."""
+    if not todo.hints:
+        return ""
+    level = seen(lesson, todo.number)
+    if level >= HINT_LEVELS:
+        return f" (hints: all {HINT_LEVELS} read)"
+    ask = f"make hint LESSON={lesson} TODO={todo.number}"
+    return f" (hints read: {level} of {HINT_LEVELS}; `{ask}` for the {'first' if level == 0 else 'next'})"
 
 
 class TodoReport:
@@ -111,7 +123,7 @@ class TodoReport:
                 elif failures and all(one_line(r).startswith("waits for") for r in failures):
                     status = f"not checked yet ({one_line(failures[0])})"
                 elif failures:
-                    status = f"failing: {one_line(failures[0])}"
+                    status = f"failing: {one_line(failures[0])}" + hint_note(lesson, todo)
                 elif results:  # every test of this TODO skipped: it needs the TODOs before it
                     status = "not checked yet (needs the TODOs before it)"
                 else:

@@ -9,6 +9,16 @@ between two marker lines:
     ...the code the learner writes...
     # END SOLUTION
 
+Hints, given on demand by `make hint LESSON=NN TODO=n` (utils/course/hints.py), follow the TODO comment in three
+levels, each a comment block of its own; the exercise leaves them out:
+
+    # TODO 1: ...the goal, in about 35 words at most...
+    # HINT 1: the idea, a question to ask yourself
+    # HINT 2: the steps
+    #   (more lines of a hint are indented like this)
+    # HINT 3: nearly the code
+    # BEGIN SOLUTION
+
 The exercise keeps the TODO comment and replaces the code with
 `raise NotImplementedError("TODO 1: reduce-scatter phase of the ring")`, so an untouched exercise
 stops at once with a message that names the TODO. Where the exercise should instead run as the
@@ -29,11 +39,13 @@ import argparse
 import difflib
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TODO_HEADER = re.compile(r"^(\s*)# TODO (\d+): (.+)$")
+HINT_HEADER = re.compile(r"^\s*# HINT (\d+): (.+)$")
+HINT_LEVELS = 3
 BEGIN, EXERCISE, END = "# BEGIN SOLUTION", "# EXERCISE", "# END SOLUTION"
 GENERATED_NOTE = (
     "# Exercise for lesson {lesson}: complete the numbered TODOs. (This file is generated from\n"
@@ -51,6 +63,14 @@ class Todo:
     number: int
     title: str
     line: int  # 1-based line of the TODO header in the solution
+    comment: list = field(default_factory=list)  # the comment the exercise shows, without its "# "
+    hints: list = field(default_factory=list)  # the hints' texts, level 1 first
+    code: list = field(default_factory=list)  # the solution's lines between the markers (not the EXERCISE part)
+
+    @property
+    def is_lab(self) -> bool:
+        """A debugging lab's TODO ("TODO 4: lab, ..."): its comment describes the bug, at more length."""
+        return self.title.startswith("lab")
 
 
 def _title(text: str) -> str:
@@ -74,8 +94,16 @@ def make_exercise(solution_text: str, name: str, done=frozenset()) -> tuple[str,
         if match:
             if header is not None:
                 raise MarkerError(f"{name}:{header.line}: TODO {header.number} has no {BEGIN} region")
-            header = Todo(int(match.group(2)), _title(match.group(3)), i + 1)
+            header = Todo(int(match.group(2)), _title(match.group(3)), i + 1, comment=[match.group(3).strip()])
             out.append(line)
+            hint = None  # the hint being read: its comment lines are kept out of the exercise
+        elif header is not None and (hint_match := HINT_HEADER.match(line)):
+            if int(hint_match.group(1)) != len(header.hints) + 1:
+                raise MarkerError(f"{name}:{i + 1}: TODO {header.number}'s hints must be numbered 1, 2, 3 in order")
+            header.hints.append(hint_match.group(2).strip())
+            hint = header.hints
+        elif header is not None and hint is not None and stripped.startswith("#") and stripped != BEGIN:
+            hint[-1] += " " + stripped.lstrip("#").strip()
         elif stripped == BEGIN:
             if header is None:
                 raise MarkerError(f"{name}:{i + 1}: {BEGIN} without a '# TODO n: ...' comment above it")
@@ -92,6 +120,7 @@ def make_exercise(solution_text: str, name: str, done=frozenset()) -> tuple[str,
                 else:
                     region.append(lines[i])
                 i += 1
+            header.code = region
             if i == len(lines):
                 raise MarkerError(f"{name}:{header.line}: TODO {header.number}'s region has no {END}")
             if header.number in done:
@@ -100,6 +129,8 @@ def make_exercise(solution_text: str, name: str, done=frozenset()) -> tuple[str,
                 out.extend(exercise_lines)
             else:
                 out.append(f'{indent}raise NotImplementedError("TODO {header.number}: {header.title}")')
+            if header.hints and len(header.hints) != HINT_LEVELS:
+                raise MarkerError(f"{name}:{header.line}: TODO {header.number} has {len(header.hints)} hints, not 3")
             todos.append(header)
             header = None
         elif stripped in (EXERCISE, END):
@@ -107,6 +138,8 @@ def make_exercise(solution_text: str, name: str, done=frozenset()) -> tuple[str,
         else:
             if header is not None and not stripped.startswith("#"):
                 raise MarkerError(f"{name}:{header.line}: TODO {header.number} is not followed by {BEGIN}")
+            if header is not None:
+                header.comment.append(stripped.lstrip("#").strip())
             out.append(line)
         i += 1
     if header is not None:
