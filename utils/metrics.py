@@ -15,11 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from utils.distributed_utils import is_root_process
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor, gathering it if it is a DTensor sharded across ranks (a collective)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+from utils.gather import checksum, whole
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -28,8 +24,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def param_checksum(model: torch.nn.Module) -> float:
-    """Sum of squares of all full parameters, in float64: equal for equal models, however sharded."""
-    return sum(float(_full(p.detach()).double().pow(2).sum()) for p in model.parameters())
+    """Sum of squares of all full parameters, in float64: equal for equal models, however sharded (DTensors)."""
+    return checksum(whole(p) for p in model.parameters())
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:

@@ -175,6 +175,17 @@ def check_batches(n_samples: int, args, world_size: int = 1, per_step: int = 1, 
         )
 
 
+def batches(loader, sampler=None):
+    """Endless batches, as lesson 00 loops and lesson 02 reshuffles: another pass over the data whenever one ends,
+    each in a new order when a DistributedSampler is given (set_epoch: it draws its order from seed + epoch)."""
+    epoch = 0
+    while True:
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
 def model_config(args) -> ModelConfig:
     return ModelConfig(seq_len=args.seq_len, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads)
 
