@@ -1,9 +1,10 @@
 # The course's entry points. Each target creates the environment (.venv) first if it is missing.
-#   make lab                 open the course: JupyterLab on the notebooks
+#   make lab                 open the course: JupyterLab at the course's root, showing the README (its links open the notebooks)
 #   make test                every check on the CPU: lint, exercises in sync, tests, notebooks (what CI runs)
 #   make check LESSON=01     check your completed exercise for one lesson: one line per TODO
 #   make hint LESSON=06 TODO=5   the next hint for one TODO (three levels: the idea, the steps, nearly the code)
 #   make notebooks [LESSON=01]  instructors: run the notebooks (nbval), with each notebook's time
+#   make grade DIR=submissions/  instructors: every participant's exercises checked, one table (and a CSV)
 #   make mutants [LESSON=03] instructors: the plausible mistakes each TODO's tests must catch (tests/mutants/)
 #   make test-gpu            instructors on a GPU node: every lesson with NCCL on the GPUs, against the CPU
 #   make test-floor          every lesson at 2 ranks under the oldest supported torch (.venv-floor), against .venv
@@ -37,7 +38,7 @@ define install_torch
 	else $(1) install --quiet "torch==$(2)"; fi
 endef
 
-.PHONY: setup lab test lint check hint notebooks outputs mutants test-gpu test-floor exercises clean
+.PHONY: setup lab test lint check hint grade notebooks outputs mutants test-gpu test-floor exercises clean
 
 $(VENV)/.installed: requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,8 +49,10 @@ $(VENV)/.installed: requirements.txt
 
 setup: $(VENV)/.installed
 
+# The lab serves the whole course, so that the README (the map of the course, rendered: utils/course/lab_settings)
+# opens first and its links reach notebooks/, solutions/ and exercises/.
 lab: setup
-	$(BIN)/jupyter lab $(LAB_FLAGS) notebooks/
+	$(BIN)/jupyter lab $(LAB_FLAGS) --LabApp.app_settings_dir=$(CURDIR)/utils/course/lab_settings README.md
 
 lint: setup
 	$(BIN)/ruff check .
@@ -80,6 +83,11 @@ endif
 endif
 outputs: setup
 	$(BIN)/python -m utils.course.refresh_notebook notebooks/$(LESSON)_*.ipynb
+
+# Instructors: DIR holds one folder per participant with their exercise files (utils/course/grade.py).
+grade: setup
+	@test -n "$(DIR)" || { echo "name the submissions folder: make grade DIR=submissions/"; exit 2; }
+	@$(BIN)/python -m utils.course.grade $(DIR)
 
 hint: setup
 	@$(BIN)/python -m utils.course.hints $(LESSON) $(TODO)
