@@ -78,18 +78,16 @@ def main():
     for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(loader)):
         inputs, targets = inputs.to(device, non_blocking=pinned), targets.to(device, non_blocking=pinned)
 
-        # TODO 1: the training step. Compute the logits and the loss (loss_fn) inside `autocast(args, device)`
-        #   (bf16 with --autocast bf16, else plain fp32), clear the old gradients, backpropagate (outside
-        #   autocast), let the optimizer update the weights, and append the loss's value to `losses`.
-        #   (`.item()` copies the loss to the CPU and waits for the device: once per step is enough.)
+        # TODO 1: the training step. Update the weights once from this batch's loss (loss_fn), computed under
+        #   autocast, and record it as a plain number in `losses`. Gradients accumulate: what must they not hold?
         raise NotImplementedError("TODO 1: the training step")
 
-        # TODO 2: count the tokens this step trained on for the throughput meter. Every position of every
-        #   sequence in the batch is one next-token prediction, so a batch of B sequences of T tokens is B x T.
+        # TODO 2: count the tokens this batch trained on, for the throughput meter. Every position of every
+        #   sequence is one next-token prediction.
         pass  # until TODO 2 feeds the meter, it reports 0 tokens/s (the rest of the script runs: TODO 1 is checkable)
 
-        # TODO 3: log the loss to tensorboard (and wandb). Call logger.log with the step number and, as keyword
-        #   arguments, the scalars to record: `loss` (the latest value in `losses`) and `tokens_per_s`.
+        # TODO 3: log the loss to tensorboard (and wandb). Once per step, at its number, record this step's loss
+        #   and the meter's tokens per second as the scalars `loss` and `tokens_per_s`; the Logger writes to both.
         pass  # until TODO 3 logs them, tensorboard receives no scalars
         if step % args.log_every == 0 or step == args.steps:
             print0(f"step {step:4d}  loss {losses[-1]:.4f}")

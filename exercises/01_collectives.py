@@ -122,19 +122,16 @@ def pass_around_ring(send: torch.Tensor, receive: torch.Tensor):
 def ring_reduce_scatter(chunks: list[torch.Tensor]):
     """In place: afterwards chunk (rank + 1) % n on this rank holds the sum of that chunk over all ranks."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # TODO 1: the reduce-scatter phase of the ring. In step s (s = 0 .. n-2), each rank sends chunk
-    #   (rank - s) % n to its right-hand neighbour and adds the chunk it receives from its left-hand
-    #   neighbour into its own chunk (rank - s - 1) % n. Use pass_around_ring() and a receive buffer.
-    #   Every rank sends and receives 1/n of the data per step, whatever n is: that is the ring's trick.
+    # TODO 1: the reduce-scatter phase of the ring. Over n - 1 steps each rank passes a partial sum right
+    #   (pass_around_ring) and adds the one from its left into its copy. Which chunk at step s?
     raise NotImplementedError("TODO 1: the reduce-scatter phase of the ring")
 
 
 def ring_all_gather(chunks: list[torch.Tensor]):
     """In place: rank r starts with the finished chunk (r + 1) % n and ends with all of them."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # TODO 2: the all-gather phase of the ring. In step s (s = 0 .. n-2), each rank sends its finished
-    #   chunk (rank + 1 - s) % n to the right and receives finished chunk (rank - s) % n from the left,
-    #   straight into place (nothing to add this time).
+    # TODO 2: the all-gather phase of the ring. The finished chunks travel around the ring as TODO 1's partial
+    #   sums did, each rank passing on the one it got last; this time they land in place: nothing to add.
     raise NotImplementedError("TODO 2: the all-gather phase of the ring")
 
 
@@ -150,9 +147,8 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 def all_reduce_from_collectives(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over all ranks, in place, as dist.reduce_scatter_single then dist.all_gather_single."""
     world_size = dist.get_world_size()
-    # TODO 3: all-reduce = reduce-scatter + all-gather. Pad the flattened tensor to a multiple of n,
-    #   reduce-scatter it (SUM) so each rank holds 1/n of the sum, all-gather those pieces back into
-    #   the padded buffer, then copy the first numel elements into `tensor`.
+    # TODO 3: all-reduce = reduce-scatter + all-gather. Both collectives cut their input into n equal pieces,
+    #   and the tensor's length may not divide by n: give them one that does, and leave the sum in `tensor`.
     raise NotImplementedError("TODO 3: all-reduce = reduce-scatter + all-gather")
     return tensor
 
@@ -321,9 +317,9 @@ def save_reference(path: Path, rows: list[dict], args, device, load_before: floa
 def count_real_tokens(tokens: torch.Tensor) -> int:
     """The number of real tokens (not the padding -1) in every rank's batch together, on every rank.
     At the end of an epoch a rank's batch can be empty."""
-    # TODO 4: lab, a collective some ranks skip. In the exercise, a rank with an empty batch returns at
-    #   once. Which ranks wait in which call, and for whom? Fix it: every rank calls every collective,
-    #   contributing nothing (zero) when it has nothing.
+    # TODO 4: lab, a collective some ranks skip. In the exercise, a rank with an empty batch returns at once.
+    #   Which ranks wait in which call, and for whom? Fix it so that every rank returns the total over all
+    #   ranks, an empty batch included.
     if tokens.numel() == 0:
         return 0  # nothing to count on this rank
     count = (tokens >= 0).sum().to(torch.float64)
@@ -337,8 +333,8 @@ def largest_value(values: torch.Tensor) -> float:
     per_rank = -(-values.numel() // world_size)  # slices of ceil(numel / n): the last ones can be empty
     mine = values[rank * per_rank : (rank + 1) * per_rank]
     # TODO 5: lab, a rank that raises. In the exercise, which rank raises, and what do the other ranks
-    #   see in the all-reduce that follows? Fix it so that an empty slice takes part without raising
-    #   (what value never wins a maximum?).
+    #   see in the all-reduce that follows? Fix it so that an empty slice takes part without raising and
+    #   without changing the answer.
     local = mine.max()  # the largest of this rank's slice
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
     return local.item()
@@ -349,8 +345,8 @@ def gather_all(values: torch.Tensor) -> torch.Tensor:
     values as it has (lengths differ between ranks, e.g. the tokens each rank generated)."""
     world_size = dist.get_world_size()
     # TODO 6: lab, shapes that differ between ranks. In the exercise every rank sizes the output from its
-    #   own length. What does gloo do with it (and what does TORCH_DISTRIBUTED_DEBUG=DETAIL say)? Fix it:
-    #   first all-gather the lengths, pad every rank's values to the longest, all-gather, then cut the padding.
+    #   own length. What does gloo do with it (and what does TORCH_DISTRIBUTED_DEBUG=DETAIL say)? Fix it so
+    #   that every rank returns every rank's values, no more, in rank order, whatever their lengths.
     gathered = torch.empty(world_size * values.numel(), dtype=values.dtype, device=values.device)
     dist.all_gather_single(gathered, values)
     return gathered
@@ -364,9 +360,9 @@ def swap_with_partner(tensor: torch.Tensor) -> torch.Tensor:
     if partner >= world_size:
         return tensor.clone()
     received = torch.empty_like(tensor)
-    # TODO 7: lab, send/recv in the wrong order. In the exercise both partners send first: a send
-    #   completes only once the partner receives, so who is receiving? Fix the order (even ranks send
-    #   first, odd ranks receive first), or post the send without waiting (dist.isend).
+    # TODO 7: lab, send/recv in the wrong order. In the exercise both partners send first: on gloo a send
+    #   completes only once the partner receives, so who is receiving? Fix it so that every pair completes
+    #   its swap.
     dist.send(tensor, dst=partner)  # ours first...
     dist.recv(received, src=partner)  # ...then the partner's
     return received
@@ -377,8 +373,8 @@ def steps_until_converged(losses: list[float], target: float) -> int:
     step whose loss averaged over the ranks is below `target`; every rank returns the number of steps run."""
     for step, local_loss in enumerate(losses):
         # TODO 8: lab, a rank-dependent branch around a collective. In the exercise each rank decides to
-        #   stop from its own loss. Which rank leaves first, and where are the others then? Fix it: decide
-        #   from a value every rank shares (the averaged loss), so every rank takes the same branch.
+        #   stop from its own loss. Which rank leaves first, and where are the others then? Fix it so that
+        #   every rank leaves the loop at the same step, the one the docstring asks for.
         if local_loss < target:  # this rank's loss is low enough: stop
             return step + 1
         loss = torch.tensor(local_loss, dtype=torch.float64)

@@ -122,8 +122,8 @@ class DataParallel(nn.Module):
         self.buckets_overlapped = 0  # in the last backward, buckets launched while backward was still running
         self.launch_order: list[int] = []  # in the last backward, the buckets' indices in launch order
 
-        # TODO 1: the same start everywhere. Overwrite every rank's parameters and buffers with rank 0's
-        #   (dist.broadcast, in place, src=0), so that all copies start identical whatever seed each rank used.
+        # TODO 1: the same start everywhere. Every rank must end up holding rank 0's values in every parameter
+        #   and buffer of `module`, in place, whatever seed each rank built its copy from.
         raise NotImplementedError("TODO 1: the same start everywhere")
 
         # Buckets, filled in reverse order of the parameters: backward produces the last layers' gradients
@@ -171,19 +171,15 @@ class DataParallel(nn.Module):
             # to wait for the buckets there (this is how DistributedDataParallel does it too).
             self._syncing = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
-        # TODO 2: fill the bucket and launch the full ones in a fixed order. Put p's gradient into its bucket
-        #   (self._bucket_of[id(p)].put(p)); then launch (self._launch) every full bucket from
-        #   self.buckets[self._next_to_launch] on, stopping at the first one that is not full. Hooks can fire
-        #   in a different order on different ranks; launching in list order makes every rank issue the same
-        #   sequence of all-reduces (else they pair up different tensors, or deadlock).
+        # TODO 2: fill the bucket and launch the full ones in a fixed order. Store p's gradient in its bucket,
+        #   then launch whatever is ready, never out of order: hooks fire in different orders on different
+        #   ranks, yet every rank must issue the same sequence of all-reduces.
         raise NotImplementedError("TODO 2: fill the bucket and launch the full ones in a fixed order")
 
     def _launch(self, bucket: Bucket):
-        # TODO 3: launch the bucket's all-reduce without waiting for it. All-reduce bucket.flat in place with
-        #   op=ReduceOp.AVG and async_op=True, and keep the handle in bucket.work: backward goes on computing
-        #   earlier layers' gradients while the bucket is on the wire. (gloo has no PREMUL_SUM; AVG works on
-        #   gloo and NCCL alike.) Then count it: add bucket.nbytes to self.allreduce_bytes, append bucket.index
-        #   to self.launch_order, and advance self._next_to_launch.
+        # TODO 3: launch the bucket's all-reduce without waiting for it. Start averaging the bucket's gradients
+        #   across ranks in place, keep the handle on the bucket (backward computes on while it travels), and
+        #   record the launch in the counters __init__ sets up.
         raise NotImplementedError("TODO 3: launch the bucket's all-reduce without waiting for it")
 
     def finish_gradient_synchronization(self):
@@ -198,9 +194,8 @@ class DataParallel(nn.Module):
                 if id(p) not in bucket.ready:
                     bucket.put(p)
             self._launch(bucket)
-        # TODO 4: wait for every bucket and unpack it. For each bucket in self.buckets: bucket.work.wait(),
-        #   then bucket.unpack() (the averaged gradients into .grad), then reset it for the next backward
-        #   (bucket.ready.clear(), bucket.work = None). optimizer.step() must see averaged gradients only.
+        # TODO 4: wait for every bucket and unpack it. On return, every trained parameter's .grad must hold
+        #   the average over ranks, and every bucket must be empty again for the next backward.
         raise NotImplementedError("TODO 4: wait for every bucket and unpack it")
         self._next_to_launch, self._syncing = 0, False
         self.launch_order = self.launch_order[-len(self.buckets) :]  # keep this backward's order only
@@ -266,10 +261,9 @@ def main():
     args = parse_args(parser)
     local_rank, rank, device, world_size = setup(args.seed)
 
-    # TODO 5: the global batch recipe. Lesson 00 refused to run with more than one process; here every
-    #   rank trains on its own micro-batches, so one optimizer step sees
-    #   global batch = micro-batch per rank (--batch-size) x micro-batches per step (--grad-accum) x ranks.
-    #   Compute `global_batch_size` and print it once (print0), as the recipe.
+    # TODO 5: the global batch recipe. Set global_batch_size to the sequences one optimizer step sees, all
+    #   ranks together, and print it once, from rank 0, in the form
+    #   "global batch 32 sequences = 4 per rank x 2 accumulation steps x 4 ranks".
     if world_size > 1:
         raise NotImplementedError("TODO 5: the global batch recipe")  # lesson 00 ran one process only
     global_batch_size = args.batch_size * args.grad_accum
@@ -280,14 +274,13 @@ def main():
     if args.lr_scaling != "none":
         print0(f"learning rate {args.lr:.4g} = {base_lr:.4g} x {args.lr_scaling}({global_batch_size} / {BASE_BATCH})")
 
-    # Data: fixed-length blocks of tokens, every rank with the whole data set (utils.sharding shows other ways).
+    # Data: fixed-length blocks of tokens, every rank with the whole data set (utils/lesson_02/samplers.py: other ways).
     train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
     check_batches(len(train), args, world_size, per_step=args.grad_accum)  # else some rank waits for data forever
     pinned = device.type == "cuda"  # as in lesson 00: page-locked batches on a GPU, copied without blocking
-    # TODO 6: shard the data with a DistributedSampler. Every rank draws the same shuffled order (same seed)
-    #   and keeps every world_size-th sample, so the ranks' batches are disjoint slices of one global batch.
-    #   drop_last=True drops the last few samples instead of padding the epoch by repeating some.
-    #   Give the sampler to the DataLoader (a loader takes shuffle= or sampler=, not both).
+    # TODO 6: shard the data with a DistributedSampler. Each rank must read its own part of every epoch, the
+    #   ranks together all of it, once, in one shuffled order they agree on without talking. Keep it in
+    #   `sampler` (TODO 8 reshuffles it) and feed the loader from it.
     generator = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(
         train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=generator, pin_memory=pinned
@@ -296,9 +289,8 @@ def main():
     # The model: the same weights for the same --seed, on whatever device setup() picked.
     config = model_config(args)
     model = build_model(config, seed=args.seed).to(device)
-    # TODO 7: wrap the model for data parallelism: the built-in DistributedDataParallel (--ddp builtin, through
-    #   apply_ddp) or the DataParallel above (--ddp scratch). Both broadcast rank 0's weights, then average the
-    #   gradients across ranks during backward, bucket by bucket (--bucket-cap-mb).
+    # TODO 7: wrap the model for data parallelism. Use the wrapper the command line chooses: the built-in
+    #   through apply_ddp, or the hand-written DataParallel above, both with the bucket size asked for.
     pass
     optimizer = build_optimizer(model.parameters(), args)
     print0(
@@ -312,8 +304,9 @@ def main():
         for epoch in count():
             if epoch > 0:
                 print0(f"epoch {epoch}: another pass over the data")
-            # TODO 8: reshuffle every epoch. A DistributedSampler draws its order from seed + epoch, and only
-            #   learns the epoch from set_epoch(epoch): without it, every epoch repeats the first one's order.
+            # TODO 8: reshuffle every epoch. A DistributedSampler shuffles from its seed and the epoch, and
+            #   knows only the epoch it was last told: tell it which pass this is, or every epoch repeats
+            #   the first one's order.
             pass
             yielded = 0
             for batch in loader:
@@ -338,9 +331,9 @@ def main():
                 inputs, targets = next(micro_batches)
                 inputs, targets = inputs.to(device, non_blocking=pinned), targets.to(device, non_blocking=pinned)
                 last = micro_step == args.grad_accum - 1
-                # TODO 9: accumulate gradients without communicating. On every micro-step but the last, run
-                #   backward inside model.no_sync(): the gradients only add up locally, and the last backward
-                #   all-reduces their sum once per optimizer step instead of once per micro-step.
+                # TODO 9: accumulate gradients without communicating. Make `sync` the context this
+                #   micro-step's backward runs in: one all-reduce per optimizer step, after the step's final
+                #   backward; the earlier ones only add up gradients locally (no_sync).
                 sync = nullcontext()
                 with sync:
                     # Each micro-batch's mean loss / grad_accum: the k micro-batches' gradients then add up to
@@ -353,9 +346,9 @@ def main():
         if profiling and rank == 0:
             write_trace(profiler, args.trace)
 
-        # TODO 10: average the loss across ranks for logging. Each rank knows only its own slice's loss;
-        #   all-reduce it with ReduceOp.AVG so rank 0 logs the global batch's loss (equal batch sizes:
-        #   the mean of the ranks' means is the global mean). It costs one tiny collective per step.
+        # TODO 10: average the loss across ranks for logging. Each rank knows only its own slice's loss:
+        #   make step_loss, on every rank, the loss of the whole global batch (the ranks' slices are equal in
+        #   size). It costs one tiny collective per step.
         pass
         losses.append(step_loss.item())
         throughput.step(inputs.numel() * args.grad_accum * world_size)  # the whole job's tokens
@@ -373,9 +366,9 @@ def main():
             f"{bus_bytes(allreduce_bytes, world_size):,.0f} bytes per rank for them"
         )
     if args.checkpoint:
-        # TODO 11: save the model once, unwrapped. Every rank holds the same weights: rank 0 alone writes
-        #   (save0). Save the inner module's state dict (model.module): its names have no "module." prefix,
-        #   so the file loads into a plain model on one process, like lesson 00's checkpoint.
+        # TODO 11: save the model once, unwrapped. Rank 0 writes the file; it must load into a plain network
+        #   on one process, like lesson 00's checkpoint, and keep what else it saved. What does wrapping add
+        #   to the weights' names?
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": vars(config)}
         save0(state, args.checkpoint)
         print0(f"saved the model to {args.checkpoint}")
@@ -423,8 +416,8 @@ def train_one_epoch(model: nn.Module, samples: list, batch_size: int, optimizer)
     batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
     # TODO 12: lab, uneven batches. In the exercise, when the samples do not divide evenly, some ranks
     #   get one batch more than others. Which rank is still training when the others have left, and in
-    #   which call does it wait? Fix it: agree on the number of batches before the loop (every rank
-    #   takes as many as the rank with the fewest: an all-reduce with ReduceOp.MIN).
+    #   which call does it wait? Fix it so that every rank takes the same number of optimizer steps,
+    #   agreed before the loop, without any rank reading a sample twice.
     pass
     for batch in batches:
         inputs, targets = torch.stack([x for x, _ in batch]), torch.stack([y for _, y in batch])

@@ -23,7 +23,6 @@ import argparse
 import math
 import sys
 import warnings
-from itertools import count
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,20 +38,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
+from utils.lesson_03.checkpoint import resume, save_checkpoints
+from utils.lesson_03.metrics import FirstStep, average, counting_allreduce_hook, report
+from utils.lesson_03.options import lesson_parser, settle
 from utils.metrics import write_metrics
 from utils.model import build_model, count_parameters, loss_fn
-from utils.training import DEFAULT_LR, Logger, Throughput, check_batches, model_config, parse_args
-from utils.zero_checkpoint import resume, save_checkpoints
-from utils.zero_metrics import (
-    FirstStep,
-    average,
-    counting_allreduce_hook,
-    finish_record,
-    full_checksum,
-    optimizer_checksum,
-    report,
-)
-from utils.zero_options import lesson_parser, settle
+from utils.training import DEFAULT_LR, Logger, Throughput, batches, check_batches, model_config, parse_args
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
 STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}  # what each strategy shards
@@ -64,9 +55,10 @@ STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}  # 
 WIRE = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}  # bytes of the full tensor, per collective kind
 
 
-def all_reduce(tensor, group=None):
+def all_reduce(tensor, group=None, op=dist.ReduceOp.AVG):
+    """The average over ranks (or `op`) of `tensor`, in place on every rank."""
     WIRE["all_reduce"] += tensor.numel() * tensor.element_size()
-    dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+    dist.all_reduce(tensor, op=op, group=group)
 
 
 def all_gather(full, shard, group=None):
@@ -75,10 +67,10 @@ def all_gather(full, shard, group=None):
     dist.all_gather_single(full, shard, group=group)
 
 
-def reduce_scatter(shard, full, group=None):
-    """The average over ranks of `full`, of which this rank receives its own slice into `shard`."""
+def reduce_scatter(shard, full, group=None, op=dist.ReduceOp.AVG):
+    """The average over ranks (or `op`) of `full`, of which this rank receives its own slice into `shard`."""
     WIRE["reduce_scatter"] += full.numel() * full.element_size()
-    dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG, group=group)
+    dist.reduce_scatter_single(shard, full, op=op, group=group)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,10 +121,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
                     p.data = flat[offset : offset + p.numel()].view_as(p)
                     offset += p.numel()
-                # TODO 1: this rank's shard of the optimizer state. Each rank owns the slice [lo, hi) of the flat
-                #   buffer, S = ceil(numel / world_size) elements from rank * S (clipped to numel, so the last
-                #   rank's may be shorter), and gives the inner optimizer that slice alone (a view of `flat`):
-                #   its state (AdamW's two moments) then exists only for 1/N of the parameters.
+                # TODO 1: this rank's shard of the optimizer state. The ranks own equal contiguous slices of the
+                #   bucket (the last may be shorter) that cover it exactly; the inner optimizer is given this
+                #   rank's alone, so it keeps state for 1/N of the parameters.
                 shard_numel, lo, hi = numel, 0, numel  # every rank steps everything: DDP's optimizer
                 shard = flat
                 self.flats.append(
@@ -155,11 +146,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         if self.shard_gradients:
             self.reduce_scatter_remaining()  # buckets backward did not complete (unused parameters)
-        # TODO 2: the ZeRO-1 step. (a) ZeRO-1 only: all-reduce the full padded gradient (`all_reduce`) and hand
-        #   the inner optimizer its slice [lo, hi) as the shard's .grad. (b) Step the inner optimizer: it updates
-        #   this rank's slice of `flat` in place. (c) All-gather the updated slices so every rank has all the
-        #   new parameters: pad this rank's slice to S elements, `all_gather` into a buffer of N x S elements,
-        #   copy its first numel elements into `flat` (all-gather needs equal pieces: hence the padding).
+        # TODO 2: the ZeRO-1 step. Each rank's inner optimizer updates its own slice from the gradient averaged
+        #   over ranks (ZeRO-2 has reduced it already); afterwards every rank holds all the new parameters. Use the
+        #   counting collectives above.
         raise NotImplementedError("TODO 2: the ZeRO-1 step")
 
     def _padded_gradients(self, flat) -> torch.Tensor:
@@ -197,13 +186,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """ZeRO-2: average a bucket's gradients across ranks, keeping only this rank's shard of them."""
         flat["ready"] = set()
         full = self._padded_gradients(flat)
-        # TODO 3: ZeRO-2's gradient reduce-scatter, one bucket at a time during backward. Instead of all-reducing
-        #   the bucket's gradient, reduce-scatter it (`reduce_scatter(shard, full)`): each rank receives the
-        #   average of its own S elements only. Then free the full gradients (p.grad = None for the bucket's
-        #   parameters) and give the shard's average to the inner optimizer's parameter (its .grad, added to any
-        #   gradient already there: gradient accumulation). Same bytes on the wire as DDP's all-reduce (=
-        #   reduce-scatter + all-gather, with the all-gather of the parameters after the step); full gradients
-        #   exist only for the buckets still waiting, so gradient memory drops from numel to about S + a bucket.
+        # TODO 3: ZeRO-2's gradient reduce-scatter, one bucket at a time during backward. This rank receives only
+        #   the average over ranks of its own slice of the bucket's gradients, added to what its shard holds
+        #   already (accumulation); the bucket's full gradients are released at once.
         raise NotImplementedError("TODO 3: ZeRO-2's gradient reduce-scatter")
 
     def zero_grad(self, set_to_none: bool = True):
@@ -255,10 +240,9 @@ class _Unit:
         if self.gathered:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        # TODO 4: all-gather a unit's full parameters. Every rank contributes its fp32 shard cast to the compute
-        #   dtype; the result fills `self.full`. Autograd saved views of `full` for backward: refilling it must not
-        #   look like an in-place change to them, hence torch.autograd._unsafe_preserve_version_counter (a private
-        #   API: FSDP2 itself refills its gathered parameters under it, in _fsdp_param_group.py).
+        # TODO 4: all-gather a unit's full parameters, in the compute precision, into the unit's gathered buffer.
+        #   Autograd saved views of that buffer for backward: refilling it must not count as an in-place change of
+        #   them (_unsafe_preserve_version_counter, as FSDP2 does).
         raise NotImplementedError("TODO 4: all-gather a unit's full parameters")
         self.gathered = True
         if self.on_change:
@@ -281,10 +265,9 @@ class _Unit:
 
     def reduce_gradients(self, grads) -> torch.Tensor:
         """The views' gradients (None for unused ones) -> this rank's shard of their average over ranks (fp32)."""
-        # TODO 5: reduce-scatter the gradients into the owner's shard. Copy the gradients (cast to the shard's
-        #   dtype, fp32: reduce in full precision) into one flat zero buffer of N x S elements, in the order of
-        #   self.shapes; `reduce_scatter` it into an S-element tensor; free the gathered parameters (their
-        #   backward is done) and return the shard's gradient (autograd accumulates it into self.shard.grad).
+        # TODO 5: reduce-scatter the gradients into the owner's shard. Return this rank's part of the gradients
+        #   averaged over ranks, reduced in fp32 and laid out as the unit's buffer (missing gradients count as
+        #   zeros); the gathered parameters are no longer needed.
         raise NotImplementedError("TODO 5: reduce-scatter the gradients into the owner's shard")
 
 
@@ -309,12 +292,15 @@ class Zero3(nn.Module):
     and gathered again when backward reaches the unit (a hook on the unit's output); its gradients are then
     reduce-scattered into each rank's shard. compute_dtype (e.g. torch.bfloat16) is the dtype of the gathered
     parameters and of the compute; shards, gradients and optimizer state stay fp32. Parameters that do not
-    require grad stay unsharded; a parameter shared by several units belongs to the root.
+    require grad stay unsharded; a parameter shared by several units belongs to the root. output_tensors finds
+    the tensors in what a unit returns (default: this script's output_tensors, TODO 8).
     """
 
-    def __init__(self, module, compute_dtype=None, units=None, reshard_after_forward=True, group=None):
+    def __init__(self, module, compute_dtype=None, units=None, reshard_after_forward=True, group=None,
+                 output_tensors=None):  # fmt: skip
         super().__init__()
         self.module, self.reshard_after_forward = module, reshard_after_forward
+        self.output_tensors = output_tensors or globals()["output_tensors"]  # defined below, with the lab
         submodules = list(units if units is not None else getattr(module, "blocks", []))
         owners = {}  # parameter -> the units that use it
         for i, submodule in enumerate(submodules):
@@ -356,10 +342,9 @@ class Zero3(nn.Module):
         unit.attach()
 
     def _after_forward(self, unit, output):
-        # TODO 6: the ZeRO-3 schedule after a unit's forward. free() its gathered parameters (when
-        #   self.reshards(unit)), and register a hook on each tensor of output_tensors(output) that requires grad,
-        #   calling self._before_backward(unit, grad): autograd runs it when backward reaches the unit's output,
-        #   before the unit's own backward, so the parameters are gathered again just in time. Return the output.
+        # TODO 6: the ZeRO-3 schedule after a unit's forward. Return the output; release the unit's gathered
+        #   parameters unless reshards(unit) says to keep them, and make sure backward gathers them again just
+        #   before the unit's own backward runs.
         raise NotImplementedError("TODO 6: the ZeRO-3 schedule after a unit's forward")
 
     def _record(self, unit, event):
@@ -433,10 +418,8 @@ class Zero3(nn.Module):
 def apply_fsdp(model, mesh, reshard_after_forward=True, mp_policy=None):
     """FSDP2: each block its own unit (gathered and freed on its own), then the root for what is left."""
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    # TODO 7: shard the model with FSDP2. Call fully_shard(block, mesh=..., reshard_after_forward=...,
-    #   mp_policy=...) on every block of model.blocks, then once on the model itself (the root: embeddings,
-    #   final norm, head), leaving its reshard_after_forward at the default (the root is not resharded after
-    #   forward: backward needs it at once). On a 2-D mesh (replicate, shard) the same calls give HSDP.
+    # TODO 7: shard the model with FSDP2 (fully_shard): each block its own unit with the options given, then the
+    #   root for what is left, which backward needs at once after forward. On a 2-D mesh the same calls give HSDP.
     raise NotImplementedError("TODO 7: shard the model with FSDP2")
     return model
 
@@ -515,20 +498,15 @@ def train(args, strategy, device, rank, world_size, record: dict):
     if device.type == "cuda":  # after wrapping: the peak of training, not of the unsharded model built first
         torch.cuda.reset_peak_memory_stats(device)
     record.update(strategy=strategy, precision=args.precision, shard_ranks=shard_ranks, padded_params=padded)
-    probe.wrapped(model, optimizer, mesh, record)
+    zero_optimizer = optimizer if strategy in ("zero1", "zero2") else None  # the lesson's own pieces, measured
+    probe.wrapped(model, optimizer, mesh, record, zero_optimizer, zero3=model if strategy == "zero3" else None)
     start = 0
     if args.resume:
         start = resume(args.resume, model, optimizer, config)
-        record.update(loaded_param_checksum=full_checksum(model),
-                      loaded_optimizer_checksum=optimizer_checksum(model, optimizer))  # fmt: skip
+        record.update({f"loaded_{name}": value for name, value in probe.checksums().items()})
         print0(f"resumed from {args.resume} after step {start}")
 
-    def batches():
-        for epoch in count():
-            sampler.set_epoch(epoch)
-            yield from loader
-
-    data = batches()
+    data = batches(loader, sampler)
     for _ in range(start):  # the batches the checkpointed run already trained on
         next(data)
     autocast = args.precision == "bf16" and strategy in ("ddp", "zero1", "zero2")
@@ -559,7 +537,7 @@ def train(args, strategy, device, rank, world_size, record: dict):
                   n_params=estimate["n_params"], stage=STAGE[strategy],
                   replicas=world_size // shard_ranks if strategy == "hsdp" else None)  # fmt: skip
     counted = strategy in ("ddp", "zero1", "zero2", "zero3")  # the lesson's own counters; FSDP2's: library_wire
-    finish_record(record, model, optimizer, estimate, counted, device)
+    probe.finish(estimate, counted, device)
     save_checkpoints(args, model, optimizer, strategy, start + len(losses), config)
     del model, optimizer  # DDP and FSDP hold the process group: free them before it goes
     return record

@@ -24,7 +24,6 @@ Megatron-LM keep only the 1/N slice there too and all-gather it again in backwar
 
 import sys
 from contextlib import nullcontext
-from itertools import count
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,10 +46,22 @@ from torch.utils.data import DataLoader
 from utils.collective_counter import CollectiveCounter
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.gather import checksum, full_parameters
+from utils.lesson_04.checks import check_layers
+from utils.lesson_04.layout import describe
 from utils.metrics import SavedActivations, state_bytes, write_metrics
 from utils.model import ModelConfig, build_model, count_parameters, loss_fn
-from utils.tensor_parallel import check_layers, describe, full_parameters, param_checksum, parameter_groups
-from utils.training import Logger, Throughput, base_parser, build_optimizer, check_batches, model_config, parse_args
+from utils.training import (
+    Logger,
+    Throughput,
+    base_parser,
+    batches,
+    build_optimizer,
+    check_batches,
+    model_config,
+    parameter_groups,
+    parse_args,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Tensor parallelism from scratch: the collectives as autograd functions
@@ -89,12 +100,9 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 def f_or_g(x: torch.Tensor, group, which: str, backward: bool) -> torch.Tensor:
     """What f (which="f", entering a tensor-parallel region) or g (which="g", leaving it) does to x: in forward,
     or in backward (backward=True: x is the gradient coming back). The two autograd functions below call it."""
-    # TODO 1: the conjugate pair f and g. f enters a tensor-parallel region: every rank needs the whole input,
-    #   which it already has, so f's forward is the identity; but each rank's slice of the layer contributes only a
-    #   partial gradient for that input, so f's backward all-reduces (sums) the gradient. g leaves the region: each
-    #   rank holds a partial sum of the output, so g's forward all-reduces it, and its backward passes the (already
-    #   complete, identical) gradient through unchanged. For each of the four cases return x summed over the ranks
-    #   (_all_reduce(x, group)) or unchanged (x.view_as(x)).
+    # TODO 1: the conjugate pair f and g. Return x summed over the ranks, or x unchanged, for f (entering a
+    #   tensor-parallel region) and g (leaving it), in forward and in backward. Where is a value whole, where a
+    #   partial sum?
     raise NotImplementedError("TODO 1: the conjugate pair f and g")
 
 
@@ -178,9 +186,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _shard(linear.bias, 0, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # TODO 2: the column-parallel forward. f on the input (if copy_input), then the local F.linear with this
-        #   rank's weight and bias: [..., in] -> [..., out / N]; then (if gather_output) the output slices
-        #   concatenated along the last dimension with Gather.apply(y, -1, self.group).
+        # TODO 2: the column-parallel forward. Return this rank's output features of the whole layer ([..., in] ->
+        #   [..., out / N]), or all of them when the layer gathers its output; a layer that copies its input enters the
+        #   region itself.
         raise NotImplementedError("TODO 2: the column-parallel forward")
 
 
@@ -206,9 +214,9 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # TODO 3: the row-parallel forward. Split the input along the last dimension (Split.apply(x, -1, group))
-        #   unless it is already parallel; the local F.linear WITHOUT bias (a partial sum); then leave the region
-        #   (self.leave.apply(y, self.group): g); then add the bias, once, to the summed output.
+        # TODO 3: the row-parallel forward. Return the whole layer's output, on every rank, from this rank's
+        #   input features (cut here unless they arrive cut): each rank's product is a partial sum, and the bias
+        #   belongs to the sum, once.
         raise NotImplementedError("TODO 3: the row-parallel forward")
 
 
@@ -231,12 +239,9 @@ def check_tensor_parallel_size(config: ModelConfig, tp: int, seq_len: int, seque
 def tensor_parallel_block(block: nn.Module, group, sequence_parallel: bool = False):
     """Shard one Block of utils/model.py in place: q/k/v/up column-parallel, o/down row-parallel."""
     enter = GatherSequence if sequence_parallel else CopyToParallelRegion  # f, or SP's f (TODO 5)
-    # TODO 4: a tensor-parallel block. Replace the block's own projections with parallel ones built from them:
-    #   attention.q_proj, k_proj, v_proj and mlp.up_proj column-parallel (copy_input=False), attention.o_proj
-    #   and mlp.down_proj row-parallel (sequence_parallel passed on). Attention needs no change: it reads its
-    #   head count from the local q_proj shape. Then make attention and mlp enter the parallel region once each,
-    #   with a forward pre-hook on the module that replaces its input by enter.apply(input, group):
-    #   module.register_forward_pre_hook(lambda module, args: (new_input,)).
+    # TODO 4: a tensor-parallel block. Shard the block in place: each of its six projections replaced by a parallel
+    #   layer built from it (which way each?), and attention and the MLP each entering their region once, through
+    #   `enter`, with register_forward_pre_hook.
     raise NotImplementedError("TODO 4: a tensor-parallel block")
 
 
@@ -260,13 +265,8 @@ def parallelize_scratch(model: nn.Module, group, sequence_parallel: bool = False
 def sequence_f_or_g(x: torch.Tensor, group, which: str, backward: bool) -> torch.Tensor:
     """What SP's f (which="f", entering a tensor-parallel region) or SP's g (which="g", leaving it) does to x along
     the sequence (dim 1): in forward, or in backward (backward=True: x is the gradient coming back)."""
-    # TODO 5: the sequence-parallel pair. With sequence parallelism the residual stream holds 1/N of the
-    #   sequence (dim 1) on each rank. Entering a tensor-parallel region, all-gather the sequence (the layers need
-    #   every token); the gradients coming back are partial sums over the ranks' weight slices, so backward
-    #   reduce-scatters them (sum, and keep this rank's sequence slice). Leaving the region, the row-parallel
-    #   layer's partial outputs are reduce-scattered (sum, and keep this rank's slice), whose backward all-gathers.
-    #   Together they move the same bytes as the all-reduce they replace: all-reduce = reduce-scatter + all-gather.
-    #   For each of the four cases use _all_gather(x, 1, group) or _reduce_scatter(x, 1, group).
+    # TODO 5: the sequence-parallel pair. TODO 1 along the sequence (dim 1): return x gathered from every rank, or
+    #   summed over the ranks and cut to this rank's tokens, for SP's f and g, in forward and in backward.
     raise NotImplementedError("TODO 5: the sequence-parallel pair")
 
 
@@ -309,9 +309,8 @@ def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
 def allreduce_sequence_parallel_grads(model: nn.Module, group):
     """After backward, with sequence parallelism: complete the partial gradients (one all-reduce for all)."""
     params = [p for p in sequence_parallel_parameters(model) if p.grad is not None]
-    # TODO 6: sequence-parallel gradients. Each rank's norms (and row-parallel biases) saw only its part of the
-    #   sequence, so their gradients are partial sums: the full gradient is their sum over the ranks. Flatten
-    #   the gradients into one buffer (torch.cat of .flatten()), all-reduce it once, and copy the sums back.
+    # TODO 6: sequence-parallel gradients. Give every parameter of `params` its full gradient, in one collective:
+    #   each rank's norms and row-parallel biases saw only its part of the sequence.
     raise NotImplementedError("TODO 6: sequence-parallel gradients")
 
 
@@ -329,13 +328,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
     a gradient read before step() (for clipping or logging) through to_local() is this rank's partial sum.
     """
     check_tensor_parallel_size(model.config, tp_mesh.size(), model.config.seq_len, sequence_parallel)
-    # TODO 7: the same layout with DTensor. For each block, a plan {submodule path: style}: ColwiseParallel for
-    #   q/k/v/up, RowwiseParallel for o/down with output_layouts Shard(1) (SP) or Replicate(). PrepareModuleInput
-    #   on "attention" and "mlp" turns their input into one Replicate() DTensor (from Shard(1) with SP:
-    #   an all-gather), use_local_output=False, so q, k and v share one backward collective. With SP add
-    #   SequenceParallel() for attn_norm and mlp_norm, and on the model: PrepareModuleInput on "blocks.0"
-    #   (Replicate -> Shard(1), use_local_output=True), SequenceParallel() on "norm", PrepareModuleInput on "head"
-    #   (Shard(1) -> Replicate, use_local_output=True). Apply each plan with parallelize_module(module, tp_mesh, plan).
+    # TODO 7: the same layout with DTensor. Give parallelize_module a plan {submodule path: style} that shards each
+    #   block as tensor_parallel_block does (q, k, v sharing one backward collective) and, with SP, splits the norms
+    #   and the residual activations by sequence.
     raise NotImplementedError("TODO 7: the same layout with DTensor")
     return model
 
@@ -369,7 +364,9 @@ def main():
     model = build_model(config, seed=args.seed).to(device)
     if args.tp_impl == "scratch":
         # Check the hand-written pieces on small layers first, in TODO order: a mistake stops here, named.
-        check_layers(sys.modules[__name__], group, device, args.sequence_parallel)
+        sequence_pair = (GatherSequence, ReduceScatterSequence) if args.sequence_parallel else None
+        check_layers(group, device, f=CopyToParallelRegion, g=ReduceFromParallelRegion, column=ColumnParallelLinear,
+                     row=RowParallelLinear, block=tensor_parallel_block, sequence_pair=sequence_pair)  # fmt: skip
         model = parallelize_scratch(model, group, args.sequence_parallel)
     else:
         model = apply_tensor_parallel(model, tp_mesh, args.sequence_parallel)
@@ -388,17 +385,13 @@ def main():
             f"shape {info['global_shape']}, local shape {info['local_shape']}"
         )
 
-    def batches():
-        for _ in count():
-            yield from loader
-
     # The first step is measured (collectives, saved activations: both slow it down), the others are timed.
     counter = CollectiveCounter(device=device)  # also checks that DTensor's collectives get `device` tensors
     counter.self_check(device, group)
     logger = Logger(args, total_steps=args.steps)
     throughput = Throughput(device, warmup=1)
     losses, activation_bytes = [], None
-    data = batches()
+    data = batches(loader)
     for step in range(1, args.steps + 1):
         inputs, targets = next(data)
         inputs, targets = inputs.to(device), targets.to(device)
@@ -444,7 +437,7 @@ def main():
         losses=losses,
         steps=len(losses),
         tokens_per_s=tokens_per_s,
-        param_checksum=param_checksum(full),
+        param_checksum=checksum(full.values()),
         bytes_per_rank=state_bytes(model, optimizer),
         optimizer=args.optimizer,
         dataset=args.dataset,

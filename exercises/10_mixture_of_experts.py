@@ -43,7 +43,16 @@ from utils.lesson_10.record import ExpertRecord, full_weights, timed
 from utils.lesson_10.reference import EXPERT_WEIGHTS, build_experts, build_router
 from utils.metrics import state_bytes, write_metrics
 from utils.model import build_model, loss_fn
-from utils.training import Logger, Throughput, base_parser, build_optimizer, check_batches, model_config, parse_args
+from utils.training import (
+    Logger,
+    Throughput,
+    base_parser,
+    batches,
+    build_optimizer,
+    check_batches,
+    model_config,
+    parse_args,
+)
 
 # Rank r of N holds experts r E/N ... (r+1) E/N - 1 of every MoE layer. In each layer, each rank routes its own
 # tokens (TODO 1); with --dispatch padded it keeps each expert's first `capacity` choices (TODO 2) and sends fixed
@@ -62,20 +71,20 @@ class Routing:
 
 def route(logits: torch.Tensor, k: int) -> Routing:
     """logits [T, E] (the router's output for T tokens) -> each token's top-k experts, their gates, the loss."""
-    # TODO 1: the router: top-k experts, their gates, and the load-balancing loss. Softmax over the E logits, each
-    #   token's k most probable experts (topk). Gates: at k = 1 the probability itself (Switch: a gate of 1 would
-    #   teach the router nothing), at k > 1 the k probabilities renormalised to sum to 1. Loss (Switch): E x sum_e
-    #   f_e P_e, f_e the fraction of the T x k choices picking e (a count), P_e its mean probability.
+    # TODO 1: the router: top-k experts, their gates, and the load-balancing loss. Each token's k most probable
+    #   experts; gates that let the task teach the router, at k = 1 too; Switch's loss, its gradient through the
+    #   probabilities only.
     raise NotImplementedError("TODO 1: the router: top-k experts, their gates, and the load-balancing loss")
 
 
 def keep_within_capacity(experts: torch.Tensor, n_experts: int, capacity_factor: float):
-    """experts [T, k] -> (kept [T, k], slots [T, k], capacity). A choice's slot is its place in its expert's queue;
-    it is kept when slot < capacity. Served in priority order: every token's first choice, then every token's
-    second, ...; tokens in order. Each rank decides for its own T tokens, before any communication."""
-    # TODO 2: the capacity and each choice's place in its expert's queue. capacity = ceil(C x T x k / E). Read the
-    #   choices column by column (the priority order); a choice's slot counts the earlier choices of the same expert
-    #   (F.one_hot, cumsum, gather). Return (slots < capacity, slots, capacity): the first two are [T, k].
+    """experts [T, k] -> (kept [T, k], slots [T, k], capacity). A choice's slot is its place in its expert's queue
+    (any other order of an expert's kept choices in its buffer would do as well); it is kept when slot < capacity.
+    Served in priority order: every token's first choice, then every token's second, ...; tokens in order. Each rank
+    decides for its own T tokens, before any communication."""
+    # TODO 2: the capacity and each choice's place in its expert's queue. Which choices fit, their slots, and the
+    #   capacity for this rank's tokens; an expert's queue serves every token's first choice before any second, tokens
+    #   in order.
     raise NotImplementedError("TODO 2: the capacity and each choice's place in its expert's queue")
 
 
@@ -119,18 +128,17 @@ def dispatch(tokens, routing: Routing, n_experts: int, exchange, group=None) -> 
     must process, grouped by source rank and within each by expert, as torch's all-to-all delivers them (with the
     plan). `exchange(rows, output_splits, input_splits, group)` is the differentiable all-to-all."""
     world_size, k = dist.get_world_size(group), routing.experts.shape[1]
-    # TODO 3: the counts, then the rows (uneven splits). Order the T x k choices by expert, so each rank's rows are
-    #   contiguous. Nobody knows yet what it will receive: exchange the per-expert counts first
-    #   (dist.all_to_all_single), then send the choices' tokens with `exchange`. Expert e lives on rank e // (E/N).
+    # TODO 3: the counts, then the rows (uneven splits). Send each choice's token to the rank holding its expert, each
+    #   rank's rows contiguous; no rank knows what it will receive until the ranks exchange counts
+    #   (dist.all_to_all_single).
     raise NotImplementedError("TODO 3: the counts, then the rows (uneven splits)")
 
 
 def combine(results, plan: Plan, routing: Routing, n_tokens: int, exchange, group=None) -> torch.Tensor:
     """Dropless: the experts' results [R, D] back to the ranks that sent the rows -> this rank's output [T, D]."""
     k = routing.experts.shape[1]
-    # TODO 4: the way back. Send the results back with `exchange`, the dispatch's splits swapped: they return in the
-    #   order this rank sent them (plan.order). Weight each by its choice's gate and add it to its token's row of a
-    #   [T, D] output of zeros (index_add: a token with k choices gets k results).
+    # TODO 4: the way back. This rank's output [T, D]: the results return by the reverse exchange, and each token gets
+    #   the gate-weighted sum of its choices' results (a token with k choices gets k).
     raise NotImplementedError("TODO 4: the way back")
 
 
@@ -165,9 +173,8 @@ def synchronize_gradients(replicated: list, experts: list, group=None):
     """After backward: every rank holds its own loss's gradients (the mean over its tokens). The objective is the
     mean of the ranks' losses (the global batch's mean)."""
     world_size = dist.get_world_size(group)
-    # TODO 5: the gradients. The replicated parameters have one gradient per rank: average them over the ranks
-    #   (lesson 02; one flat buffer). An expert's gradient already sums what came back from every rank's tokens,
-    #   each rank's loss a mean over its own: N times the global mean's, so divide it. Never all-reduce it.
+    # TODO 5: the gradients. Make every gradient that of the global batch's mean loss: a replicated parameter's differs
+    #   per rank (lesson 02); an expert's already sums every rank's tokens. Never all-reduce an expert's.
     raise NotImplementedError("TODO 5: the gradients")
 
 
@@ -279,8 +286,7 @@ def train(args, rank: int, world_size: int, device: torch.device):
     )
     counter, record = CollectiveCounter(), ExpertRecord(layers, args.experts)
     logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
-    batches = (batch for _ in iter(int, 1) for batch in loader)  # endless: epoch after epoch
-    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches):
+    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(loader)):  # epoch after epoch
         inputs, targets = inputs.chunk(world_size)[rank].to(device), targets.chunk(world_size)[rank].to(device)
         optimizer.zero_grad(set_to_none=True)
         with counter.phase("step") if step == 1 else nullcontext():  # the all-to-all bytes of one step

@@ -75,10 +75,15 @@ def main():
     for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(loader)):
         inputs, targets = inputs.to(device, non_blocking=pinned), targets.to(device, non_blocking=pinned)
 
-        # TODO 1: the training step. Compute the logits and the loss (loss_fn) inside `autocast(args, device)`
-        #   (bf16 with --autocast bf16, else plain fp32), clear the old gradients, backpropagate (outside
-        #   autocast), let the optimizer update the weights, and append the loss's value to `losses`.
-        #   (`.item()` copies the loss to the CPU and waits for the device: once per step is enough.)
+        # TODO 1: the training step. Update the weights once from this batch's loss (loss_fn), computed under
+        #   autocast, and record it as a plain number in `losses`. Gradients accumulate: what must they not hold?
+        # HINT 1: A step has four moves: measure how wrong the model is, find which way each weight should move,
+        #   move it, and forget those directions before the next batch. In what order? Which move needs autocast?
+        # HINT 2: Clear the optimizer's gradients; inside `with autocast(args, device):` compute the logits and
+        #   the loss; outside it, backpropagate; step the optimizer; append the loss's value (a float) to `losses`.
+        # HINT 3: optimizer.zero_grad(set_to_none=True); with autocast(args, device): loss = loss_fn(model(inputs),
+        #   targets); then loss.backward(); optimizer.step(); losses.append(loss.item())  (.item() waits for the
+        #   device: once per step is enough)
         # BEGIN SOLUTION
         optimizer.zero_grad(set_to_none=True)
         with autocast(args, device):  # a no-op unless --autocast bf16
@@ -88,16 +93,25 @@ def main():
         losses.append(loss.item())
         # END SOLUTION
 
-        # TODO 2: count the tokens this step trained on for the throughput meter. Every position of every
-        #   sequence in the batch is one next-token prediction, so a batch of B sequences of T tokens is B x T.
+        # TODO 2: count the tokens this batch trained on, for the throughput meter. Every position of every
+        #   sequence is one next-token prediction.
+        # HINT 1: What shape does `inputs` have, and how many predictions does one training sequence give?
+        # HINT 2: Batch size times sequence length: the number of elements of `inputs`. Hand it to the meter once
+        #   per step (Throughput.step).
+        # HINT 3: hand the meter `inputs.numel()`: throughput.step(<that number>)
         # BEGIN SOLUTION
         throughput.step(inputs.numel())
         # EXERCISE
         # pass  # until TODO 2 feeds the meter, it reports 0 tokens/s (the rest of the script runs: TODO 1 is checkable)
         # END SOLUTION
 
-        # TODO 3: log the loss to tensorboard (and wandb). Call logger.log with the step number and, as keyword
-        #   arguments, the scalars to record: `loss` (the latest value in `losses`) and `tokens_per_s`.
+        # TODO 3: log the loss to tensorboard (and wandb). Once per step, at its number, record this step's loss
+        #   and the meter's tokens per second as the scalars `loss` and `tokens_per_s`; the Logger writes to both.
+        # HINT 1: The Logger takes a step number and any scalars by name. Which loss is this step's, and where
+        #   does the meter keep its figure?
+        # HINT 2: Call the logger's log method with `step` and two keyword arguments: `loss` (the last value in
+        #   `losses`) and `tokens_per_s` (the meter's property of that name).
+        # HINT 3: logger.log(step, loss=<the last of losses>, tokens_per_s=<the meter's tokens_per_s>)
         # BEGIN SOLUTION
         logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)
         # EXERCISE

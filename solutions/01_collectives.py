@@ -119,10 +119,16 @@ def pass_around_ring(send: torch.Tensor, receive: torch.Tensor):
 def ring_reduce_scatter(chunks: list[torch.Tensor]):
     """In place: afterwards chunk (rank + 1) % n on this rank holds the sum of that chunk over all ranks."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # TODO 1: the reduce-scatter phase of the ring. In step s (s = 0 .. n-2), each rank sends chunk
-    #   (rank - s) % n to its right-hand neighbour and adds the chunk it receives from its left-hand
-    #   neighbour into its own chunk (rank - s - 1) % n. Use pass_around_ring() and a receive buffer.
-    #   Every rank sends and receives 1/n of the data per step, whatever n is: that is the ring's trick.
+    # TODO 1: the reduce-scatter phase of the ring. Over n - 1 steps each rank passes a partial sum right
+    #   (pass_around_ring) and adds the one from its left into its copy. Which chunk at step s?
+    # HINT 1: After n - 1 steps rank r must hold the whole sum of chunk (r + 1) % n. Work backwards on paper
+    #   with 3 ranks and 3 chunks: which chunk must a rank send first so that the last one it adds to is that one?
+    # HINT 2: Keep one receive buffer the size of the largest chunk (chunks can differ by one element). In step
+    #   s = 0 .. n-2, send chunk (rank - s) % n, receive into the buffer cut to the length of chunk
+    #   (rank - s - 1) % n, and add it into that chunk.
+    # HINT 3: buffer = torch.empty_like(chunks[0]); for step in range(world_size - 1): send, receive =
+    #   (rank - step) % world_size, (rank - step - 1) % world_size; incoming = buffer[: chunks[receive].numel()];
+    #   pass_around_ring(chunks[send], incoming); chunks[receive] += incoming
     # BEGIN SOLUTION
     buffer = torch.empty_like(chunks[0])  # tensor_split makes chunk 0 the largest
     for step in range(world_size - 1):
@@ -136,9 +142,14 @@ def ring_reduce_scatter(chunks: list[torch.Tensor]):
 def ring_all_gather(chunks: list[torch.Tensor]):
     """In place: rank r starts with the finished chunk (r + 1) % n and ends with all of them."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # TODO 2: the all-gather phase of the ring. In step s (s = 0 .. n-2), each rank sends its finished
-    #   chunk (rank + 1 - s) % n to the right and receives finished chunk (rank - s) % n from the left,
-    #   straight into place (nothing to add this time).
+    # TODO 2: the all-gather phase of the ring. The finished chunks travel around the ring as TODO 1's partial
+    #   sums did, each rank passing on the one it got last; this time they land in place: nothing to add.
+    # HINT 1: At the start each rank holds one finished chunk, (rank + 1) % n. Which chunk does it send first,
+    #   which one does it then receive, and which one will it send next?
+    # HINT 2: In step s = 0 .. n-2, send chunk (rank + 1 - s) % n to the right and receive chunk (rank - s) % n
+    #   from the left straight into its place in `chunks` (pass_around_ring writes into the tensor it is given).
+    # HINT 3: for step in range(world_size - 1): pass_around_ring(chunks[(rank + 1 - step) % world_size],
+    #   chunks[(rank - step) % world_size])
     # BEGIN SOLUTION
     for step in range(world_size - 1):
         send_index, receive_index = (rank + 1 - step) % world_size, (rank - step) % world_size
@@ -158,9 +169,17 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 def all_reduce_from_collectives(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over all ranks, in place, as dist.reduce_scatter_single then dist.all_gather_single."""
     world_size = dist.get_world_size()
-    # TODO 3: all-reduce = reduce-scatter + all-gather. Pad the flattened tensor to a multiple of n,
-    #   reduce-scatter it (SUM) so each rank holds 1/n of the sum, all-gather those pieces back into
-    #   the padded buffer, then copy the first numel elements into `tensor`.
+    # TODO 3: all-reduce = reduce-scatter + all-gather. Both collectives cut their input into n equal pieces,
+    #   and the tensor's length may not divide by n: give them one that does, and leave the sum in `tensor`.
+    # HINT 1: Reduce-scatter leaves each rank one piece of the sum; all-gather gives every rank every piece.
+    #   How long must the input be for n equal pieces, and what can the extra elements hold without harm?
+    # HINT 2: Flatten the tensor (a view); make a zero buffer whose length is the tensor's rounded up to a
+    #   multiple of n and copy the tensor into its front; reduce-scatter it (SUM) into a piece of 1/n of it;
+    #   all-gather the pieces back into the buffer; copy the buffer's front into the tensor.
+    # HINT 3: flat = tensor.view(-1); padded = torch.zeros(ceil(flat.numel() / n) * n, dtype=..., device=...);
+    #   padded[: flat.numel()] = flat; shard = torch.empty(padded.numel() // n, ...);
+    #   dist.reduce_scatter_single(shard, padded, op=SUM); dist.all_gather_single(padded, shard);
+    #   flat.copy_(padded[: flat.numel()])
     # BEGIN SOLUTION
     flat = tensor.view(-1)
     padded = torch.zeros(-(-flat.numel() // world_size) * world_size, dtype=tensor.dtype, device=tensor.device)
@@ -337,9 +356,15 @@ def save_reference(path: Path, rows: list[dict], args, device, load_before: floa
 def count_real_tokens(tokens: torch.Tensor) -> int:
     """The number of real tokens (not the padding -1) in every rank's batch together, on every rank.
     At the end of an epoch a rank's batch can be empty."""
-    # TODO 4: lab, a collective some ranks skip. In the exercise, a rank with an empty batch returns at
-    #   once. Which ranks wait in which call, and for whom? Fix it: every rank calls every collective,
-    #   contributing nothing (zero) when it has nothing.
+    # TODO 4: lab, a collective some ranks skip. In the exercise, a rank with an empty batch returns at once.
+    #   Which ranks wait in which call, and for whom? Fix it so that every rank returns the total over all
+    #   ranks, an empty batch included.
+    # HINT 1: A collective completes only once every rank of the group has called it. Which rank never calls
+    #   the all-reduce here, and what would it have had to contribute?
+    # HINT 2: Drop the early return: an empty batch has 0 real tokens, and 0 is a fine thing to add in the
+    #   all-reduce that every rank now calls.
+    # HINT 3: count = (tokens >= 0).sum().to(torch.float64); dist.all_reduce(count); return int(count.item()),
+    #   with no return before it
     # BEGIN SOLUTION
     count = (tokens >= 0).sum().to(torch.float64)  # an empty batch counts 0, and still joins the all-reduce
     dist.all_reduce(count)
@@ -359,8 +384,14 @@ def largest_value(values: torch.Tensor) -> float:
     per_rank = -(-values.numel() // world_size)  # slices of ceil(numel / n): the last ones can be empty
     mine = values[rank * per_rank : (rank + 1) * per_rank]
     # TODO 5: lab, a rank that raises. In the exercise, which rank raises, and what do the other ranks
-    #   see in the all-reduce that follows? Fix it so that an empty slice takes part without raising
-    #   (what value never wins a maximum?).
+    #   see in the all-reduce that follows? Fix it so that an empty slice takes part without raising and
+    #   without changing the answer.
+    # HINT 1: What does max() of an empty tensor do? Which number could an empty slice bring to a maximum
+    #   that never wins it, whatever the values?
+    # HINT 2: When this rank's slice is empty, contribute minus infinity (a 0-d tensor of the values' dtype,
+    #   on their device), else the slice's maximum; the MAX all-reduce then passes over it.
+    # HINT 3: local = the slice's max() when it has elements, else torch.tensor(float("-inf"),
+    #   dtype=values.dtype, device=values.device)
     # BEGIN SOLUTION
     local = mine.max() if mine.numel() else torch.tensor(float("-inf"), dtype=values.dtype, device=values.device)
     # EXERCISE
@@ -375,8 +406,15 @@ def gather_all(values: torch.Tensor) -> torch.Tensor:
     values as it has (lengths differ between ranks, e.g. the tokens each rank generated)."""
     world_size = dist.get_world_size()
     # TODO 6: lab, shapes that differ between ranks. In the exercise every rank sizes the output from its
-    #   own length. What does gloo do with it (and what does TORCH_DISTRIBUTED_DEBUG=DETAIL say)? Fix it:
-    #   first all-gather the lengths, pad every rank's values to the longest, all-gather, then cut the padding.
+    #   own length. What does gloo do with it (and what does TORCH_DISTRIBUTED_DEBUG=DETAIL say)? Fix it so
+    #   that every rank returns every rank's values, no more, in rank order, whatever their lengths.
+    # HINT 1: all_gather_single needs the same size from every rank. What must each rank learn about the
+    #   others before they can all agree on one size?
+    # HINT 2: All-gather the lengths first (one number per rank); pad your values with zeros to the longest;
+    #   all-gather the padded tensors; then keep, of each rank's row, only as many values as it really had.
+    # HINT 3: lengths from dist.all_gather_single(lengths, torch.tensor([values.numel()])); longest =
+    #   int(lengths.max()); padded = zeros(longest) holding values in front; dist.all_gather_single(gathered,
+    #   padded); torch.cat([row[:n] for row, n in zip(gathered.view(world_size, longest), lengths.tolist())])
     # BEGIN SOLUTION
     length = torch.tensor([values.numel()], device=values.device)
     lengths = torch.empty(world_size, dtype=length.dtype, device=values.device)
@@ -402,9 +440,15 @@ def swap_with_partner(tensor: torch.Tensor) -> torch.Tensor:
     if partner >= world_size:
         return tensor.clone()
     received = torch.empty_like(tensor)
-    # TODO 7: lab, send/recv in the wrong order. In the exercise both partners send first: a send
-    #   completes only once the partner receives, so who is receiving? Fix the order (even ranks send
-    #   first, odd ranks receive first), or post the send without waiting (dist.isend).
+    # TODO 7: lab, send/recv in the wrong order. In the exercise both partners send first: on gloo a send
+    #   completes only once the partner receives, so who is receiving? Fix it so that every pair completes
+    #   its swap.
+    # HINT 1: Two blocking sends facing each other wait for each other forever. How can a pair break the
+    #   symmetry, or how can a send stop blocking?
+    # HINT 2: Let the even rank of each pair send then receive, and the odd rank receive then send; or post
+    #   the send without waiting (dist.isend), receive, then wait for the send.
+    # HINT 3: if rank % 2 == 0: dist.send(tensor, dst=partner), then dist.recv(received, src=partner); else the
+    #   same two calls the other way round
     # BEGIN SOLUTION
     if rank % 2 == 0:
         dist.send(tensor, dst=partner)
@@ -424,8 +468,14 @@ def steps_until_converged(losses: list[float], target: float) -> int:
     step whose loss averaged over the ranks is below `target`; every rank returns the number of steps run."""
     for step, local_loss in enumerate(losses):
         # TODO 8: lab, a rank-dependent branch around a collective. In the exercise each rank decides to
-        #   stop from its own loss. Which rank leaves first, and where are the others then? Fix it: decide
-        #   from a value every rank shares (the averaged loss), so every rank takes the same branch.
+        #   stop from its own loss. Which rank leaves first, and where are the others then? Fix it so that
+        #   every rank leaves the loop at the same step, the one the docstring asks for.
+        # HINT 1: A rank that left the loop no longer joins the all-reduce the others wait in. Which value
+        #   could every rank base its decision on, so that all of them decide alike?
+        # HINT 2: First average the loss over the ranks (an all-reduce with AVG, on a float64 tensor), then
+        #   compare that average, the same number on every rank, with the target.
+        # HINT 3: loss = torch.tensor(local_loss, dtype=torch.float64); dist.all_reduce(loss,
+        #   op=dist.ReduceOp.AVG); if loss.item() < target: return step + 1
         # BEGIN SOLUTION
         loss = torch.tensor(local_loss, dtype=torch.float64)
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # every rank now holds the same number...

@@ -119,8 +119,14 @@ class DataParallel(nn.Module):
         self.buckets_overlapped = 0  # in the last backward, buckets launched while backward was still running
         self.launch_order: list[int] = []  # in the last backward, the buckets' indices in launch order
 
-        # TODO 1: the same start everywhere. Overwrite every rank's parameters and buffers with rank 0's
-        #   (dist.broadcast, in place, src=0), so that all copies start identical whatever seed each rank used.
+        # TODO 1: the same start everywhere. Every rank must end up holding rank 0's values in every parameter
+        #   and buffer of `module`, in place, whatever seed each rank built its copy from.
+        # HINT 1: Which collective of lesson 01 gives every rank one rank's tensor, written into its own tensor?
+        #   Does a buffer (state that is not a parameter) need it too?
+        # HINT 2: Under torch.no_grad() (parameters are leaves that require grad), go over the module's parameters
+        #   and then its buffers, and send each from rank 0 to every rank, in place.
+        # HINT 3: inside `with torch.no_grad():`, call dist.broadcast(t, src=0) for each t of
+        #   [*module.parameters(), *module.buffers()]
         # BEGIN SOLUTION
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
@@ -172,11 +178,15 @@ class DataParallel(nn.Module):
             # to wait for the buckets there (this is how DistributedDataParallel does it too).
             self._syncing = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
-        # TODO 2: fill the bucket and launch the full ones in a fixed order. Put p's gradient into its bucket
-        #   (self._bucket_of[id(p)].put(p)); then launch (self._launch) every full bucket from
-        #   self.buckets[self._next_to_launch] on, stopping at the first one that is not full. Hooks can fire
-        #   in a different order on different ranks; launching in list order makes every rank issue the same
-        #   sequence of all-reduces (else they pair up different tensors, or deadlock).
+        # TODO 2: fill the bucket and launch the full ones in a fixed order. Store p's gradient in its bucket,
+        #   then launch whatever is ready, never out of order: hooks fire in different orders on different
+        #   ranks, yet every rank must issue the same sequence of all-reduces.
+        # HINT 1: __init__ maps each parameter to its bucket. After this one gradient, how many buckets can have
+        #   become ready to go: none, one, or several at once? Which one must go first?
+        # HINT 2: Put p into its bucket (Bucket.put). Then, from the next bucket to launch (self._next_to_launch)
+        #   on, launch each one while it is full (self._launch advances the counter); stop at the first that is not.
+        # HINT 3: self._bucket_of[id(p)].put(p), then: while self._next_to_launch < len(self.buckets) and
+        #   self.buckets[self._next_to_launch].full(): self._launch(self.buckets[self._next_to_launch])
         # BEGIN SOLUTION
         self._bucket_of[id(p)].put(p)
         while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].full():
@@ -184,11 +194,16 @@ class DataParallel(nn.Module):
         # END SOLUTION
 
     def _launch(self, bucket: Bucket):
-        # TODO 3: launch the bucket's all-reduce without waiting for it. All-reduce bucket.flat in place with
-        #   op=ReduceOp.AVG and async_op=True, and keep the handle in bucket.work: backward goes on computing
-        #   earlier layers' gradients while the bucket is on the wire. (gloo has no PREMUL_SUM; AVG works on
-        #   gloo and NCCL alike.) Then count it: add bucket.nbytes to self.allreduce_bytes, append bucket.index
-        #   to self.launch_order, and advance self._next_to_launch.
+        # TODO 3: launch the bucket's all-reduce without waiting for it. Start averaging the bucket's gradients
+        #   across ranks in place, keep the handle on the bucket (backward computes on while it travels), and
+        #   record the launch in the counters __init__ sets up.
+        # HINT 1: A collective can return at once with a handle to wait on later: which argument asks for that?
+        #   Which reduction gives the average directly, on gloo and NCCL alike (gloo has no PREMUL_SUM)?
+        # HINT 2: All-reduce bucket.flat with the averaging op, asynchronously, and keep the handle in bucket.work.
+        #   Then add the bucket's bytes to self.allreduce_bytes, append its index to self.launch_order and
+        #   advance self._next_to_launch by one.
+        # HINT 3: bucket.work = dist.all_reduce(bucket.flat, async_op=True, op=dist.ReduceOp.AVG);
+        #   self.allreduce_bytes += bucket.nbytes; self.launch_order.append(bucket.index); self._next_to_launch += 1
         # BEGIN SOLUTION
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, async_op=True)
         self.allreduce_bytes += bucket.nbytes
@@ -208,9 +223,14 @@ class DataParallel(nn.Module):
                 if id(p) not in bucket.ready:
                     bucket.put(p)
             self._launch(bucket)
-        # TODO 4: wait for every bucket and unpack it. For each bucket in self.buckets: bucket.work.wait(),
-        #   then bucket.unpack() (the averaged gradients into .grad), then reset it for the next backward
-        #   (bucket.ready.clear(), bucket.work = None). optimizer.step() must see averaged gradients only.
+        # TODO 4: wait for every bucket and unpack it. On return, every trained parameter's .grad must hold
+        #   the average over ranks, and every bucket must be empty again for the next backward.
+        # HINT 1: The all-reduces were launched without waiting: when does a bucket's flat tensor hold the
+        #   average? And what does a bucket remember between two backwards that the next one must not see?
+        # HINT 2: For each bucket: wait on its handle, copy its averages back into .grad (Bucket.unpack), then
+        #   forget which parameters were put in it and drop the handle.
+        # HINT 3: for bucket in self.buckets: bucket.work.wait(); bucket.unpack(); bucket.ready.clear();
+        #   bucket.work = None
         # BEGIN SOLUTION
         for bucket in self.buckets:
             bucket.work.wait()
@@ -282,10 +302,16 @@ def main():
     args = parse_args(parser)
     local_rank, rank, device, world_size = setup(args.seed)
 
-    # TODO 5: the global batch recipe. Lesson 00 refused to run with more than one process; here every
-    #   rank trains on its own micro-batches, so one optimizer step sees
-    #   global batch = micro-batch per rank (--batch-size) x micro-batches per step (--grad-accum) x ranks.
-    #   Compute `global_batch_size` and print it once (print0), as the recipe.
+    # TODO 5: the global batch recipe. Set global_batch_size to the sequences one optimizer step sees, all
+    #   ranks together, and print it once, from rank 0, in the form
+    #   "global batch 32 sequences = 4 per rank x 2 accumulation steps x 4 ranks".
+    # HINT 1: How many sequences go into one backward on one rank, how many backwards make a step, and how
+    #   many ranks take part?
+    # HINT 2: Multiply --batch-size, --grad-accum and the world size; print the line with print0 (only rank 0
+    #   prints). The tokens per step (global batch x --seq-len) may follow in brackets.
+    # HINT 3: global_batch_size = world_size * args.batch_size * args.grad_accum; print0(f"global batch
+    #   {global_batch_size} sequences = {args.batch_size} per rank x {args.grad_accum} accumulation steps x
+    #   {world_size} ranks")
     # BEGIN SOLUTION
     global_batch_size = args.batch_size * args.grad_accum * world_size
     print0(
@@ -304,14 +330,21 @@ def main():
     if args.lr_scaling != "none":
         print0(f"learning rate {args.lr:.4g} = {base_lr:.4g} x {args.lr_scaling}({global_batch_size} / {BASE_BATCH})")
 
-    # Data: fixed-length blocks of tokens, every rank with the whole data set (utils.sharding shows other ways).
+    # Data: fixed-length blocks of tokens, every rank with the whole data set (utils/lesson_02/samplers.py: other ways).
     train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
     check_batches(len(train), args, world_size, per_step=args.grad_accum)  # else some rank waits for data forever
     pinned = device.type == "cuda"  # as in lesson 00: page-locked batches on a GPU, copied without blocking
-    # TODO 6: shard the data with a DistributedSampler. Every rank draws the same shuffled order (same seed)
-    #   and keeps every world_size-th sample, so the ranks' batches are disjoint slices of one global batch.
-    #   drop_last=True drops the last few samples instead of padding the epoch by repeating some.
-    #   Give the sampler to the DataLoader (a loader takes shuffle= or sampler=, not both).
+    # TODO 6: shard the data with a DistributedSampler. Each rank must read its own part of every epoch, the
+    #   ranks together all of it, once, in one shuffled order they agree on without talking. Keep it in
+    #   `sampler` (TODO 8 reshuffles it) and feed the loader from it.
+    # HINT 1: How can N processes that never talk agree on one shuffled order, and split it without overlap?
+    #   What must be the same on every rank, and what must differ?
+    # HINT 2: Build a DistributedSampler over `train` with the world size, this rank, shuffling on, the run's
+    #   --seed and drop_last=True. Give it to the DataLoader in place of shuffle= and generator= (a loader takes
+    #   a sampler or shuffle, not both).
+    # HINT 3: sampler = DistributedSampler(train, num_replicas=world_size, rank=rank, shuffle=True,
+    #   seed=args.seed, drop_last=True); loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler,
+    #   drop_last=True, pin_memory=pinned)
     # BEGIN SOLUTION
     sampler = DistributedSampler(
         train, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
@@ -327,9 +360,13 @@ def main():
     # The model: the same weights for the same --seed, on whatever device setup() picked.
     config = model_config(args)
     model = build_model(config, seed=args.seed).to(device)
-    # TODO 7: wrap the model for data parallelism: the built-in DistributedDataParallel (--ddp builtin, through
-    #   apply_ddp) or the DataParallel above (--ddp scratch). Both broadcast rank 0's weights, then average the
-    #   gradients across ranks during backward, bucket by bucket (--bucket-cap-mb).
+    # TODO 7: wrap the model for data parallelism. Use the wrapper the command line chooses: the built-in
+    #   through apply_ddp, or the hand-written DataParallel above, both with the bucket size asked for.
+    # HINT 1: Which argument says which wrapper to use, and which other option do both wrappers take?
+    # HINT 2: If args.ddp is "builtin", wrap with apply_ddp (it needs the device), else with DataParallel; pass
+    #   bucket_cap_mb=args.bucket_cap_mb to both, and keep the result in `model`: the rest of main() uses it.
+    # HINT 3: if args.ddp == "builtin": model = apply_ddp(model, device, bucket_cap_mb=args.bucket_cap_mb);
+    #   else: model = DataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     # BEGIN SOLUTION
     if args.ddp == "builtin":
         model = apply_ddp(model, device, bucket_cap_mb=args.bucket_cap_mb)
@@ -350,8 +387,14 @@ def main():
         for epoch in count():
             if epoch > 0:
                 print0(f"epoch {epoch}: another pass over the data")
-            # TODO 8: reshuffle every epoch. A DistributedSampler draws its order from seed + epoch, and only
-            #   learns the epoch from set_epoch(epoch): without it, every epoch repeats the first one's order.
+            # TODO 8: reshuffle every epoch. A DistributedSampler shuffles from its seed and the epoch, and
+            #   knows only the epoch it was last told: tell it which pass this is, or every epoch repeats
+            #   the first one's order.
+            # HINT 1: The sampler seeds its shuffle with seed + epoch. Where does its epoch come from, and what is
+            #   it if nobody changes it?
+            # HINT 2: At the start of every pass, before the loader is iterated, give the sampler this pass's
+            #   number (DistributedSampler has a method for exactly that).
+            # HINT 3: sampler.set_epoch(epoch)
             # BEGIN SOLUTION
             sampler.set_epoch(epoch)
             # EXERCISE
@@ -380,9 +423,14 @@ def main():
                 inputs, targets = next(micro_batches)
                 inputs, targets = inputs.to(device, non_blocking=pinned), targets.to(device, non_blocking=pinned)
                 last = micro_step == args.grad_accum - 1
-                # TODO 9: accumulate gradients without communicating. On every micro-step but the last, run
-                #   backward inside model.no_sync(): the gradients only add up locally, and the last backward
-                #   all-reduces their sum once per optimizer step instead of once per micro-step.
+                # TODO 9: accumulate gradients without communicating. Make `sync` the context this
+                #   micro-step's backward runs in: one all-reduce per optimizer step, after the step's final
+                #   backward; the earlier ones only add up gradients locally (no_sync).
+                # HINT 1: With k micro-batches per step, how many all-reduces does a step need, and after which
+                #   backward? What do both wrappers offer to skip the others?
+                # HINT 2: On every micro-step but the final one (the loop computes `last`), use the model's
+                #   no_sync() context; on the final one an empty context (nullcontext()).
+                # HINT 3: sync = model.no_sync() if not last else nullcontext()
                 # BEGIN SOLUTION
                 sync = nullcontext() if last else model.no_sync()
                 # EXERCISE
@@ -399,9 +447,13 @@ def main():
         if profiling and rank == 0:
             write_trace(profiler, args.trace)
 
-        # TODO 10: average the loss across ranks for logging. Each rank knows only its own slice's loss;
-        #   all-reduce it with ReduceOp.AVG so rank 0 logs the global batch's loss (equal batch sizes:
-        #   the mean of the ranks' means is the global mean). It costs one tiny collective per step.
+        # TODO 10: average the loss across ranks for logging. Each rank knows only its own slice's loss:
+        #   make step_loss, on every rank, the loss of the whole global batch (the ranks' slices are equal in
+        #   size). It costs one tiny collective per step.
+        # HINT 1: With equal slices, is the mean of the ranks' mean losses the global batch's mean? Which
+        #   collective leaves a reduction of every rank's tensor on every rank?
+        # HINT 2: All-reduce step_loss in place with the averaging op (or sum it, then divide by the world size).
+        # HINT 3: dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
         # BEGIN SOLUTION
         dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
         # EXERCISE
@@ -423,9 +475,16 @@ def main():
             f"{bus_bytes(allreduce_bytes, world_size):,.0f} bytes per rank for them"
         )
     if args.checkpoint:
-        # TODO 11: save the model once, unwrapped. Every rank holds the same weights: rank 0 alone writes
-        #   (save0). Save the inner module's state dict (model.module): its names have no "module." prefix,
-        #   so the file loads into a plain model on one process, like lesson 00's checkpoint.
+        # TODO 11: save the model once, unwrapped. Rank 0 writes the file; it must load into a plain network
+        #   on one process, like lesson 00's checkpoint, and keep what else it saved. What does wrapping add
+        #   to the weights' names?
+        # HINT 1: Print a few keys of the wrapped model's state_dict(): what prefix do they carry? Where is the
+        #   plain network inside both wrappers?
+        # HINT 2: DistributedDataParallel and DataParallel both keep the wrapped network in .module: save its
+        #   state dict instead of the wrapper's, the optimizer's and the config as before (save0 writes from
+        #   rank 0 only).
+        # HINT 3: the "model" entry of `state` becomes model.module.state_dict(); "optimizer" and "config" stay
+        #   as they are.
         # BEGIN SOLUTION
         state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "config": vars(config)}
         # EXERCISE
@@ -477,8 +536,14 @@ def train_one_epoch(model: nn.Module, samples: list, batch_size: int, optimizer)
     batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
     # TODO 12: lab, uneven batches. In the exercise, when the samples do not divide evenly, some ranks
     #   get one batch more than others. Which rank is still training when the others have left, and in
-    #   which call does it wait? Fix it: agree on the number of batches before the loop (every rank
-    #   takes as many as the rank with the fewest: an all-reduce with ReduceOp.MIN).
+    #   which call does it wait? Fix it so that every rank takes the same number of optimizer steps,
+    #   agreed before the loop, without any rank reading a sample twice.
+    # HINT 1: Each rank knows only its own count of batches. How can the ranks agree on one number, and which
+    #   number can every rank reach?
+    # HINT 2: Before the loop, put this rank's number of batches in a tensor, all-reduce it with the minimum,
+    #   and keep only that many batches (the extra one is dropped, as DistributedSampler(drop_last=True) does).
+    # HINT 3: fewest = torch.tensor(len(batches)); dist.all_reduce(fewest, dist.ReduceOp.MIN);
+    #   batches = batches[: int(fewest)]
     # BEGIN SOLUTION
     fewest = torch.tensor(len(batches))
     dist.all_reduce(fewest, op=dist.ReduceOp.MIN)  # drop the extra batch, as DistributedSampler(drop_last=True)

@@ -34,22 +34,16 @@ from torch import nn
 from utils.course.faults import crash_before_backward
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.gather import checksum, gather_stages
+from utils.lesson_05.plumbing import check_stages, refuse_layout, report, schedule_order, summarise
+from utils.lesson_05.timing import bubble_sweep, now, record_builtin_timings
 from utils.metrics import SavedActivations, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
-from utils.pipeline_plumbing import (
-    batches,
-    check_stages,
-    full_parameters,
-    refuse_layout,
-    report,
-    schedule_order,
-    summarise,
-)
-from utils.pipeline_timing import bubble_sweep, now, record_builtin_timings
 from utils.training import (
     Logger,
     Throughput,
     base_parser,
+    batches,
     build_optimizer,
     check_batches,
     model_config,
@@ -88,9 +82,14 @@ def stage_indices(schedule: str, rank: int, world_size: int) -> list[int]:
 def partition(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     """Block ranges [start, end) of each stage: contiguous, covering every block, sizes differing by at most one."""
     check_stages(n_layers, n_stages)  # refuses more stages than blocks
-    # TODO 1: balanced partition. Cut n_layers blocks into n_stages contiguous ranges [start, end) whose sizes
-    #   differ by at most one (the first n_layers % n_stages stages get one block more). The slowest stage sets
-    #   the pace of the whole pipeline, so balance matters.
+    # TODO 1: balanced partition. Return every stage's range of blocks: together they cover the model in order,
+    #   and no stage has two blocks more than another. The slowest stage sets the pace of the whole pipeline.
+    # HINT 1: When the blocks do not divide evenly, how many stages must take one block more? Does it matter
+    #   which ones, as long as the ranges stay contiguous?
+    # HINT 2: Divide the blocks by the stages: a base size and a remainder. Walk the stages in order, each
+    #   starting where the previous one ended; the first `remainder` stages take one block more than the base.
+    # HINT 3: base, extra = divmod(n_layers, n_stages); stage s spans base + (1 if s < extra else 0) blocks,
+    #   from the end of stage s - 1; append (start, end) for each stage and return the list.
     # BEGIN SOLUTION
     base, extra = divmod(n_layers, n_stages)
     ranges, start = [], 0
@@ -143,8 +142,13 @@ def build_stage(model: nn.Module, stage_index: int, n_stages: int) -> Stage:
 
 def gpipe_steps(n_stages: int, n_microbatches: int, rank: int) -> list[tuple[str, int]]:
     """GPipe: every forward, then every backward (micro-batches in order 0, 1, ..., m - 1 both times)."""
-    # TODO 2: the GPipe schedule. Return [("F", 0), ..., ("F", m-1), ("B", 0), ..., ("B", m-1)]: the same list on
-    #   every rank. Each rank holds all m micro-batches' activations before its first backward.
+    # TODO 2: the GPipe schedule. This rank's list of ("F", micro-batch) and ("B", micro-batch) steps: nothing
+    #   flows backward until every micro-batch has gone forward.
+    # HINT 1: Does the list depend on the rank? How many micro-batches' activations does a rank hold when its
+    #   first backward starts?
+    # HINT 2: One forward step per micro-batch in order, then one backward step per micro-batch in the same
+    #   order: two lists joined.
+    # HINT 3: [("F", 0), ..., ("F", m-1), ("B", 0), ..., ("B", m-1)], the same list on every rank.
     # BEGIN SOLUTION
     return [("F", mb) for mb in range(n_microbatches)] + [("B", mb) for mb in range(n_microbatches)]
     # END SOLUTION
@@ -152,9 +156,15 @@ def gpipe_steps(n_stages: int, n_microbatches: int, rank: int) -> list[tuple[str
 
 def one_f_one_b_steps(n_stages: int, n_microbatches: int, rank: int) -> list[tuple[str, int]]:
     """1F1B: warm-up forwards, then alternate one forward and one backward, then the remaining backwards."""
-    # TODO 3: the 1F1B schedule. Rank r first runs min(p - r - 1, m) warm-up forwards (the last rank none), then
-    #   alternates F(next) B(oldest) until every forward is done, then runs the backwards that are left. A rank
-    #   starts a backward as soon as it can, so it never holds more than p - r micro-batches' activations.
+    # TODO 3: the 1F1B schedule. Each rank runs a backward as soon as one can arrive, so it holds at most
+    #   p - r micro-batches' activations; same steps as GPipe, another order.
+    # HINT 1: How many forwards must rank r send on before the gradient of micro-batch 0 can come back to it?
+    #   And what if there are fewer micro-batches than that?
+    # HINT 2: Three phases: warm-up forwards (the later the rank, the fewer; the last rank none; never more than
+    #   m); then alternate the next forward with the oldest backward until every forward is done; then the
+    #   backwards that are left, in order.
+    # HINT 3: warmup = min(p - r - 1, m) forwards; then F(warmup + i), B(i) for i in range(m - warmup); then
+    #   B(mb) for mb in range(m - warmup, m).
     # BEGIN SOLUTION
     warmup = min(n_stages - rank - 1, n_microbatches)
     steps = [("F", mb) for mb in range(warmup)]
@@ -228,11 +238,17 @@ def p2p_plan(steps: list[tuple[str, int]], rank: int, n_stages: int) -> list[lis
     previous = rank - 1 if rank > 0 else None
     following = rank + 1 if rank < n_stages - 1 else None
     batches: list[list] = [[] for _ in range(len(steps) + 1)]
-    # TODO 4: the point-to-point plan. For step i = (kind, mb) put into batches[i] what it must receive first, and
-    #   into batches[i + 1] what it sends after computing:
-    #   F: receive ("recv", previous, "activation", mb) unless first; then send ("send", following, "activation", mb)
-    #      unless last.   B: receive ("recv", following, "gradient", mb) unless last; then send
-    #      ("send", previous, "gradient", mb) unless first. Activations go forward, gradients backward.
+    # TODO 4: the point-to-point plan. Fill the batches: what each step needs arrives in the batch posted before
+    #   it, what it produced leaves in the next one. Activations go forward, gradients backward; the end stages
+    #   lack a neighbour.
+    # HINT 1: For a forward step, what must arrive before it can run, and from whom? What does it produce, and
+    #   for whom? The same questions for a backward step.
+    # HINT 2: Go through the steps with their index i. A forward receives from the previous rank and sends to
+    #   the following one, a backward the other way round. Put the receive in batch i and the send in
+    #   batch i + 1, skipping a side with no neighbour (None); label the tensor "activation" or "gradient".
+    # HINT 3: F: ("recv", previous, "activation", mb) into batches[i] unless first, ("send", following,
+    #   "activation", mb) into batches[i + 1] unless last. B: ("recv", following, "gradient", mb) into
+    #   batches[i] unless last, ("send", previous, "gradient", mb) into batches[i + 1] unless first.
     # BEGIN SOLUTION
     for i, (kind, mb) in enumerate(steps):
         source, target = (previous, following) if kind == "F" else (following, previous)
@@ -249,7 +265,7 @@ def naive_p2p_plan(steps: list[tuple[str, int]], rank: int, n_stages: int) -> li
     """The plan as one first writes it, one blocking operation at a time: receive, compute, send.
 
     Under 1F1B, rank r sends activation i + 1 (waiting for r + 1 to receive it) while r + 1 sends gradient i
-    (waiting for r to receive it): both wait forever. utils.pipeline_timing.rendezvous_completes shows it."""
+    (waiting for r to receive it): both wait forever. utils.lesson_05.timing.rendezvous_completes shows it."""
     batches = []
     for batch in p2p_plan(steps, rank, n_stages):  # the same operations, each in a batch of its own, sends first
         batches += [[operation] for operation in sorted(batch, key=lambda operation: operation[0] != "send")]
@@ -266,11 +282,16 @@ def forward_step(stage: Stage, x: torch.Tensor, target: torch.Tensor | None, n_m
     from the previous stage; target: the micro-batch's targets on the last stage, else None.
     Returns (the stage's input, kept for the backward; its output: the activation to send, or on the last stage
     the micro-batch's loss)."""
-    # TODO 5: one micro-batch's forward. On every stage but the first (stage.first is False), make the received
-    #   activation x a leaf that requires grad (x.requires_grad_()): its gradient is what the backward sends to the
-    #   previous stage. Run the stage and return (x, output); on the last stage (stage.last) the output is
-    #   loss_fn(stage's output, target) / n_microbatches, the micro-batch's share of the batch's mean loss, so that
-    #   the gradients added up over the micro-batches are those of the whole batch.
+    # TODO 5: one micro-batch's forward. A received activation must collect the gradient that goes back to the
+    #   previous stage; the last stage returns this micro-batch's share of the batch's mean loss, so the
+    #   micro-batches' gradients add up to the batch's.
+    # HINT 1: Which tensor's gradient does the previous stage wait for, and what must be true of that tensor
+    #   for autograd to fill its .grad? If m micro-batches' losses are added, what must each be scaled by?
+    # HINT 2: On every stage but the first, make the received activation a leaf that requires grad; run the
+    #   stage; on the last stage turn the logits into the loss and divide it by the number of micro-batches;
+    #   return the (leaf) input and the output.
+    # HINT 3: if not stage.first: x.requires_grad_(); output = stage(x); on stage.last the output becomes
+    #   loss_fn(output, target) divided by n_microbatches; return x, output.
     # BEGIN SOLUTION
     if not stage.first:
         x.requires_grad_()
@@ -285,9 +306,14 @@ def backward_step(stage_input: torch.Tensor, output: torch.Tensor, output_gradie
     """One micro-batch's backward on this stage, from what its forward returned. output_gradient: the gradient
     received from the next stage (None on the last stage, whose output is the loss). Returns the gradient of the
     stage's input, to send to the previous stage (None on the first stage, whose input is tokens)."""
-    # TODO 6: one micro-batch's backward. Backpropagate from the output with the gradient the next stage sent
-    #   (torch.autograd.backward(tensors, grad_tensors)): it adds into the stage's parameters' .grad, so the
-    #   micro-batches' gradients add up. Then return the input's gradient.
+    # TODO 6: one micro-batch's backward. Backpropagate from this stage's output as if the next stage's loss were
+    #   attached; the parameters' gradients add up over the micro-batches. Return what the previous stage needs.
+    # HINT 1: The output is not a scalar (but on the last stage): what tells autograd how the loss depends on it?
+    #   And where does autograd leave the gradient of a leaf?
+    # HINT 2: Backpropagate from the output with the received gradient as the output's gradient (None on the
+    #   last stage, whose output is the loss); then hand back the input's gradient (None for tokens).
+    # HINT 3: torch.autograd.backward(output, grad_tensors=output_gradient); then stage_input.grad is the
+    #   gradient to return.
     # BEGIN SOLUTION
     torch.autograd.backward(output, output_gradient)
     return stage_input.grad
@@ -308,9 +334,10 @@ def exchange(batch, buffers: dict, shape, device: torch.device):
         work.wait()
 
 
-def run_steps(stage, steps, *, rank, n_stages, inputs, targets, activation_shape, device, saved=None):
+def run_steps(stage, steps, *, rank, n_stages, inputs, targets, activation_shape, device, saved=None, post=exchange):
     """Run one batch's step list on this rank. `inputs` (first stage) and `targets` (last stage) are lists of
-    micro-batches. Returns (losses of the micro-batches on the last stage, timeline [(kind, mb, start, end, stage)],
+    micro-batches; `post` posts a batch of the plan and waits for it (the lab wraps `exchange` to see where a rank
+    waits). Returns (losses of the micro-batches on the last stage, timeline [(kind, mb, start, end, stage)],
     bytes one micro-batch's forward leaves saved for backward, measured when `saved` is given)."""
     n_microbatches = len(steps) // 2
     kept: dict[int, tuple] = {}  # micro-batch -> (stage input, output), from its forward to its backward
@@ -319,7 +346,7 @@ def run_steps(stage, steps, *, rank, n_stages, inputs, targets, activation_shape
     plan = p2p_plan(steps, rank, n_stages)
     t0 = time.perf_counter()
     for i, (kind, mb) in enumerate(steps):
-        exchange(plan[i], buffers, activation_shape, device)
+        post(plan[i], buffers, activation_shape, device)
         start = now(device)
         if kind == "F":
             before = saved.current_bytes if saved is not None else 0
@@ -337,7 +364,7 @@ def run_steps(stage, steps, *, rank, n_stages, inputs, targets, activation_shape
             if not stage.first:
                 buffers[("gradient", mb)] = gradient
         timeline.append((kind, mb, start - t0, now(device) - t0, rank))
-    exchange(plan[-1], buffers, activation_shape, device)  # the last step's send
+    post(plan[-1], buffers, activation_shape, device)  # the last step's send
     return losses, timeline, microbatch_bytes
 
 
@@ -356,9 +383,17 @@ def build_builtin_schedule(stage_modules, stage_indices, n_stages, pp_group, dev
     from torch.distributed import pipelining
 
     built_in = getattr(pipelining, BUILTIN_SCHEDULES[schedule])  # e.g. pipelining.Schedule1F1B
-    # TODO 7: the built-in pipeline. Wrap each stage module: pipelining.PipelineStage(module, stage_index, n_stages,
-    #   device, group=pp_group). GPipe and 1F1B take the one stage, built_in(stage, n_microbatches, loss_fn=<loss>);
-    #   the multi-stage schedules (schedule in MULTI_STAGE) take this rank's list of stages instead.
+    # TODO 7: the built-in pipeline. Wrap this rank's stage modules in PipelineStage objects of the pipeline's
+    #   process group and return the built-in schedule that runs them; it averages the micro-batches' gradients
+    #   itself.
+    # HINT 1: What does a PipelineStage need to know about its module: which stage it is, out of how many, on
+    #   which device, talking to which ranks? Which schedules take one stage, which a list?
+    # HINT 2: One pipelining.PipelineStage per (module, stage index) pair, with n_stages, device and
+    #   group=pp_group; then call the schedule class `built_in` with the stage (a list for the multi-stage
+    #   schedules), n_microbatches and the loss as loss_fn, undivided.
+    # HINT 3: stages = [pipelining.PipelineStage(module, index, n_stages, device, group=pp_group) for module, index
+    #   in zip(...)]; return built_in(the list if schedule in MULTI_STAGE else its one stage, n_microbatches,
+    #   loss_fn=loss as it is).
     # BEGIN SOLUTION
     stages = [
         pipelining.PipelineStage(module, index, n_stages, device, group=pp_group)
@@ -374,7 +409,7 @@ def build_builtin_schedule(stage_modules, stage_indices, n_stages, pp_group, dev
 
 
 def check_layout(args, world_size: int):
-    """Refuse what cannot run, with one line each, before any process waits for another (utils.pipeline_plumbing)."""
+    """Refuse what cannot run, with one line each, before any process waits for another (utils.lesson_05.plumbing)."""
     builtin = BUILTIN_SCHEDULES[args.schedule] if args.pp_impl == "builtin" else None
     refuse_layout(args, world_size, args.schedule in MULTI_STAGE, VIRTUAL_STAGES, builtin)
 
@@ -404,10 +439,10 @@ class Pipeline:
 
 
 def build_pipeline(args, rank: int, world_size: int, device: torch.device, schedule: str, n_microbatches: int):
-    """This rank's stage(s), on the device, and the schedule that runs them. Returns (pipeline, parameter names of
-    the full model in its order)."""
+    """This rank's stage(s), on the device, and the schedule that runs them. Returns (pipeline, the full model's
+    parameter shapes in its order)."""
     model = build_model(model_config(args), seed=args.seed)  # on the CPU: every rank builds the same weights...
-    names = [name for name, _ in model.named_parameters()]
+    shapes = {name: p.shape for name, p in model.named_parameters()}
     indices = stage_indices(schedule, rank, world_size)
     n_stages = len(indices) * world_size
     modules = [build_stage(model, index, n_stages).to(device) for index in indices]  # ...the device gets its stage
@@ -418,7 +453,7 @@ def build_pipeline(args, rank: int, world_size: int, device: torch.device, sched
     pipeline = Pipeline(modules, indices, n_stages, schedule, n_microbatches, shape)
     if args.pp_impl == "scratch":
         pipeline.steps = SCRATCH_SCHEDULES[schedule](world_size, n_microbatches, rank)
-        return pipeline, names
+        return pipeline, shapes
     try:
         pipeline.builtin = build_builtin_schedule(
             modules, indices, n_stages, dist.group.WORLD, device, schedule, n_microbatches, loss_fn
@@ -428,7 +463,7 @@ def build_pipeline(args, rank: int, world_size: int, device: torch.device, sched
     pipeline.timeline, pipeline.origin = [], [0.0]
     if not record_builtin_timings(pipeline.builtin, pipeline.timeline, pipeline.origin, device):
         pipeline.timeline = None
-    return pipeline, names
+    return pipeline, shapes
 
 
 def train_step(pipeline: Pipeline, inputs, targets, *, rank, world_size, device, saved=None):
@@ -465,7 +500,7 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
     loader = torch.utils.data.DataLoader(
         train_set, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=generator
     )
-    pipeline, names = build_pipeline(args, rank, world_size, device, schedule, n_microbatches)
+    pipeline, shapes = build_pipeline(args, rank, world_size, device, schedule, n_microbatches)
     params = [p for module in pipeline.modules for p in module.parameters()]
     optimizer = build_optimizer(params, args)
     logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
@@ -497,7 +532,10 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
             print0(f"step {step:4d}  loss {losses[-1]:.4f}")
     logger.close()
 
-    checksum, full_state = full_parameters(pipeline.modules, names)
+    # Every stage's parameters, gathered under the full model's names and in its order (asserted: each once).
+    full_state = gather_stages(
+        {name: p for module in pipeline.modules for name, p in module.named_parameters()}, shapes
+    )
     if args.checkpoint:
         save0({"model": full_state, "config": vars(model_config(args))}, args.checkpoint)
         print0(f"saved the model to {args.checkpoint}")
@@ -514,7 +552,7 @@ def train(args, rank: int, world_size: int, device: torch.device, schedule: str,
         stages=pipeline.n_stages,
         stages_per_rank=len(pipeline.indices),
         tokens_per_s=throughput.tokens_per_s,
-        param_checksum=checksum,
+        param_checksum=checksum(full_state.values()),  # as utils.metrics.param_checksum on one process
         bytes_per_rank=state_bytes(nn.ModuleList(pipeline.modules), optimizer),
         optimizer=args.optimizer,
         dataset=args.dataset,
@@ -566,11 +604,17 @@ def main():
 def capped_warmup(n_stages: int, n_microbatches: int, rank: int, max_in_flight: int) -> int:
     """1F1B's warm-up forwards on `rank` when the first stage may hold at most `max_in_flight` micro-batches'
     activations (1F1B gives it p: with the embeddings too, it is the first to run out of memory).
-    utils/pipeline_lab.py builds each rank's 1F1B step list from it and runs them on live ranks."""
+    utils/lesson_05/lab.py builds each rank's 1F1B step list from it and runs them on live ranks."""
     # TODO 8: lab, a schedule that deadlocks. In the exercise only the first stage's warm-up is capped, and a
     #   4-stage run hangs. Which rank waits for which tensor, from whom, and when would that rank send it? Fix
-    #   it: a rank can only run the forwards its predecessor sent before the predecessor waits for a gradient.
-    #   Give each rank as many warm-up forwards as the cap and its predecessor allow (fewer idles the pipeline).
+    #   it so that no rank waits forever, rank 0 holds at most the cap, and every rank warms up as much as it
+    #   can (fewer forwards idle the pipeline).
+    # HINT 1: For the rank that waits, count the activations its warm-up forwards need from the rank before it,
+    #   and how many that rank sends before it waits for its own first gradient.
+    # HINT 2: A rank can run only the forwards its predecessor sent before the predecessor waits for a
+    #   gradient: a cap on rank 0 limits every rank after it. Cap 1F1B's warm-up on every rank, not on rank 0.
+    # HINT 3: on every rank, the least of 1F1B's warm-up (n_stages - rank - 1, at most n_microbatches) and what
+    #   the cap leaves (max_in_flight - 1).
     # BEGIN SOLUTION
     return min(n_stages - rank - 1, max_in_flight - 1, n_microbatches)  # the cap holds all along the pipeline
     # EXERCISE

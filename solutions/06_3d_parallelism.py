@@ -21,7 +21,7 @@ dp x --batch-size sequences (compare with lesson 00).
     torchrun --nproc_per_node=8 solutions/06_3d_parallelism.py --tp 2 --pp 2 --impl builtin --schedule gpipe
     torchrun --nproc_per_node=4 solutions/06_3d_parallelism.py --tp 2 --pp 1                           # dp = 2
     sbatch slurm/06_3d_parallelism_2nodes.sbatch solutions       # the pipeline across 2 nodes, TP inside each
-    COURSE_TIMELINE=step.json torchrun ...    # from scratch: also the last step's timeline (utils/lesson06_timeline.py)
+    COURSE_TIMELINE=step.json torchrun ...   # from scratch: also the last step's timeline (utils/lesson_06/timeline.py)
 """
 
 import os
@@ -40,18 +40,21 @@ from torch.distributed.tensor import DTensor
 from utils.course.lessons import lesson
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
-from utils.grid import describe_placements, full_parameters, local_numel, measure_step, output_not_a_view
-from utils.lesson06_timeline import StepTimeline
+from utils.gather import checksum, full_parameters, gather_stages
+from utils.lesson_06.measure import measure_step
+from utils.lesson_06.placements import describe_placements, local_numel, output_not_a_view
+from utils.lesson_06.timeline import StepTimeline
 from utils.metrics import state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
-from utils.tensor_parallel import parameter_groups
 from utils.training import (
     Logger,
     Throughput,
     base_parser,
+    batches,
     build_optimizer,
     check_batches,
     model_config,
+    parameter_groups,
     parse_args,
     positive_int,
 )
@@ -82,9 +85,14 @@ class Layout:
 
 def coordinates(rank: int, layout: Layout) -> dict[str, int]:
     """Rank `rank`'s place in the grid: {"pp": stage, "dp": replica, "tp": shard}."""
-    # TODO 1: the coordinates of a rank. TP is innermost (consecutive ranks are one TP group: the same node, the
-    #   fastest link), then DP, then PP outermost: rank = pp * (dp_size * tp_size) + dp * tp_size + tp. Invert it
-    #   with // and % (the way you would read the digits of a number written in mixed bases).
+    # TODO 1: the coordinates of a rank. Return its stage, replica and shard. TP is innermost (consecutive ranks
+    #   form a TP group, on one node), PP outermost: a rank is a number written in mixed bases.
+    # HINT 1: A rank is three digits whose bases are the grid's sizes, tp the last digit. How do you read the digits
+    #   of a number written in base 10, the last one first?
+    # HINT 2: The tp digit is the remainder by the tp size. Divide it away (integer division) and the dp digit is the
+    #   next remainder, by the dp size. What is left after dividing by dp size x tp size is the stage.
+    # HINT 3: rank = pp * (dp_size * tp_size) + dp * tp_size + tp. Invert it with // and %: tp = rank % layout.tp,
+    #   dp = rank // layout.tp % layout.dp, pp = rank // (layout.dp * layout.tp).
     # BEGIN SOLUTION
     return {
         "pp": rank // (layout.dp * layout.tp),
@@ -97,9 +105,15 @@ def coordinates(rank: int, layout: Layout) -> dict[str, int]:
 def group_members(layout: Layout, dim: str) -> list[list[int]]:
     """Every process group of dimension `dim`, as lists of global ranks: the ranks whose coordinates differ in
     `dim` only. Groups ordered by their smallest rank, each group's ranks in ascending order (= its coordinate)."""
-    # TODO 2: the groups of one dimension. Two ranks share a `dim` group when all their OTHER coordinates are
-    #   equal. Walk the ranks in order, key each by its other coordinates (a tuple), and collect the ranks of each
-    #   key; a dict keeps the keys in the order they first appear.
+    # TODO 2: the groups of one dimension. Return them in the docstring's order. Two ranks share a `dim` group
+    #   exactly when all their other coordinates are equal.
+    # HINT 1: Two ranks of one TP group differ only in their tp coordinate. What can you compute from a rank's
+    #   coordinates that is the same for every rank of its group, and different for any other group?
+    # HINT 2: Walk the ranks in ascending order; key each by its coordinates in the dimensions other than `dim`;
+    #   collect the ranks under their key. Walking in order keeps each group ascending and the groups ordered by
+    #   their smallest rank (a dict keeps its keys in the order they first appear).
+    # HINT 3: for rank in range(layout.world_size): place = coordinates(rank, layout); key = tuple(place[other] for
+    #   other in DIMS if other != dim); append the rank to groups.setdefault(key, []); return the values as a list.
     # BEGIN SOLUTION
     groups: dict[tuple, list[int]] = {}
     for rank in range(layout.world_size):
@@ -128,9 +142,15 @@ def build_grid(rank: int, layout: Layout, new_group=dist.new_group) -> Grid:
     in: creating a group is a collective of the whole world (it agrees on the group's identity). A rank that only
     creates its own groups waits forever for the others. `new_group` is torch's, or a stand-in in the tests."""
     groups, members = {}, {}
-    # TODO 3: the process groups. For each dimension in DIMS order, for each of its groups (group_members), call
-    #   new_group(ranks) on EVERY rank; keep the group (and its ranks) in groups[dim] / members[dim] when this rank
-    #   is one of its ranks.
+    # TODO 3: the process groups. Keep this rank's group, and its ranks, in every dimension. Creating a group is a
+    #   collective of the whole world: every rank creates every group, all ranks in one order.
+    # HINT 1: Which groups must a rank create: only its own, or also those it is not in? And must the calls come in
+    #   the same order on every rank?
+    # HINT 2: Loop over the dimensions, and for each over its groups (TODO 2 lists them); call new_group for every
+    #   one of them, on every rank; when this rank is among a group's ranks, keep that group's handle and its ranks
+    #   under the dimension.
+    # HINT 3: for dim in DIMS: for ranks in group_members(layout, dim): group = new_group(ranks); if rank in ranks:
+    #   groups[dim], members[dim] = group, ranks.
     # BEGIN SOLUTION
     for dim in DIMS:
         for ranks in group_members(layout, dim):
@@ -148,10 +168,14 @@ def build_grid(rank: int, layout: Layout, new_group=dist.new_group) -> Grid:
 
 def replica_batch(batch: torch.Tensor, grid: Grid) -> torch.Tensor:
     """This rank's share of a global batch of dp x b sequences: the b sequences of its DP replica."""
-    # TODO 4: the replica's share of the batch. The dp replicas read different sequences; every rank of one
-    #   replica (all its stages, all its TP shards) reads the same ones: stage 0 embeds them, the last stage needs
-    #   their targets, and TP shards split layers, not sequences. Cut the batch into dp equal parts along dim 0 and
-    #   keep the part of this rank's DP coordinate. (gbs = micro-batch x micro-batches x dp.)
+    # TODO 4: the replica's share of the batch. The dp replicas train on disjoint, equal shares that cover the batch;
+    #   every rank of one replica (each stage, each TP shard) reads the same share.
+    # HINT 1: Which coordinate tells the replicas apart? Why must all stages and TP shards of a replica read the same
+    #   sequences (who embeds them, who needs their targets, what does TP split)?
+    # HINT 2: Cut the batch along dim 0 into as many equal parts as there are replicas, and keep the part of this
+    #   rank's DP coordinate. (gbs = micro-batch x micro-batches x dp.)
+    # HINT 3: batch.chunk(grid.layout.dp)[grid.coords["dp"]]. Any split that gives each replica its own sequences
+    #   trains the same, e.g. every dp-th sequence from this replica's index.
     # BEGIN SOLUTION
     return batch.chunk(grid.layout.dp)[grid.coords["dp"]]
     # END SOLUTION
@@ -160,10 +184,13 @@ def replica_batch(batch: torch.Tensor, grid: Grid) -> torch.Tensor:
 def stage_rank(grid: Grid, stage: int) -> int:
     """The global rank that runs pipeline stage `stage` for this rank's replica and TP shard: where lesson 05's
     plan, written with stage numbers, must send an activation or a gradient."""
-    # TODO 5: a pipeline neighbour's global rank. Lesson 05 ran one stage per rank, so a stage number was a rank;
-    #   in the grid, this rank's pipeline is its PP group: the ranks with its dp and tp coordinates, one per stage,
-    #   in stage order (grid.members["pp"]). Stage s of it is members["pp"][s], which is s * dp * tp + the rank's
-    #   own dp * tp + tp: TP shard t of stage s talks to TP shard t of stage s + 1.
+    # TODO 5: a pipeline neighbour's global rank. Return the rank that runs stage `stage` in this rank's own pipeline:
+    #   the same replica and TP shard, since TP shard t of one stage talks to TP shard t of the next.
+    # HINT 1: Lesson 05 ran one stage per rank, so a stage number was a rank. Here, which ranks form this rank's
+    #   pipeline, and does the grid already know them in stage order?
+    # HINT 2: This rank's PP group holds one rank per stage, all with its dp and tp coordinates, in stage order, and
+    #   the grid keeps its ranks. (Or put `stage` in place of the pp coordinate in TODO 1's formula.)
+    # HINT 3: the rank is grid.members["pp"][stage], which is stage * dp * tp + this rank's dp * tp + its tp.
     # BEGIN SOLUTION
     return grid.members["pp"][stage]
     # END SOLUTION
@@ -175,9 +202,15 @@ def average_gradients(parameters, group):
     The group holds the ranks with the same stage and TP shard in every replica: the same parameters (the same
     shard of them), each with the gradient of a different part of the global batch."""
     gradients = [p.grad for p in parameters if p.grad is not None]
-    # TODO 6: the data-parallel gradient average. Flatten the gradients into one buffer (torch.cat of .flatten():
-    #   one all-reduce instead of one per parameter), all-reduce it over `group` (a sum), divide by the group's size
-    #   (dist.get_world_size(group)), and copy each slice back into its gradient.
+    # TODO 6: the data-parallel gradient average. Replace every gradient by its mean over `group`, whose ranks hold
+    #   the same parameters. One collective for all of them costs less than one per parameter.
+    # HINT 1: DDP (lesson 02) sums each gradient over its group and divides by the group's size. Why would you
+    #   flatten every gradient into one buffer before communicating?
+    # HINT 2: Concatenate the flattened gradients into one buffer; all-reduce it over the group (a sum); divide by
+    #   the group's size; copy each slice back into its gradient, in place (the optimizer reads p.grad).
+    # HINT 3: flat = torch.cat([g.flatten() for g in gradients]); dist.all_reduce it with group=group; divide it by
+    #   dist.get_world_size(group); then for each gradient and its slice of flat.split([g.numel() for g in gradients]):
+    #   gradient.copy_(slice.view_as(gradient)).
     # BEGIN SOLUTION
     flat = torch.cat([g.flatten() for g in gradients])
     dist.all_reduce(flat, group=group)
@@ -261,11 +294,18 @@ def parallelize_builtin(model, mesh, stage_index: int):
     gathered after each backward). A block that reshards after forward would all-gather its parameters again before
     every micro-batch's forward: m + 1 all-gathers a step instead of one, to free memory only between a forward and
     its backward. Hence, as torchtitan does, no resharding after forward when the pipeline has more than one stage."""
-    # TODO 7: the built-in composition. Apply lesson 04's tensor_parallel.apply_tensor_parallel(model, mesh["tp"])
-    #   to the whole model; cut this rank's stage with pipeline.build_stage(model, stage_index, mesh["pp"].size());
-    #   then fully_shard(block, mesh=mesh["dp"], reshard_after_forward=...) for each of the stage's blocks
-    #   (stage.blocks.values()), resharding only when there is one pipeline stage, and last
-    #   fully_shard(stage, mesh=mesh["dp"]) for what is left (the embeddings, the final norm, the head). Return it.
+    # TODO 7: the built-in composition. Return this rank's stage, tensor parallel on mesh["tp"] and sharded by FSDP2
+    #   on mesh["dp"] block by block, plus a unit for the rest. Under a pipeline, each block stays gathered from its
+    #   forward to its backward.
+    # HINT 1: Lessons 04 and 05 each wrote their built-in as a function of (model, mesh). Which sub-mesh does each
+    #   dimension use, and in what order do they apply (TP needs the whole model, FSDP the stage)? Why would
+    #   resharding after forward cost more under a pipeline?
+    # HINT 2: TP first, on the whole model (lesson 04's apply_tensor_parallel on the tp sub-mesh); then this rank's
+    #   stage (lesson 05's build_stage, as many stages as the pp sub-mesh has ranks); then fully_shard each of the
+    #   stage's blocks on the dp sub-mesh, resharding after forward only with one stage; last fully_shard the stage.
+    # HINT 3: tensor_parallel.apply_tensor_parallel(model, mesh["tp"]); stage = pipeline.build_stage(model,
+    #   stage_index, mesh["pp"].size()); for block in stage.blocks.values(): fully_shard(block, mesh=mesh["dp"],
+    #   reshard_after_forward=mesh["pp"].size() == 1); fully_shard(stage, mesh=mesh["dp"]); return stage.
     # BEGIN SOLUTION
     tensor_parallel.apply_tensor_parallel(model, mesh["tp"])
     stage = pipeline.build_stage(model, stage_index, mesh["pp"].size())
@@ -304,12 +344,6 @@ def check_layout(args, world_size: int) -> Layout:
     return Layout(pp=args.pp, dp=world_size // (args.tp * args.pp), tp=args.tp)
 
 
-def batches(loader):
-    """Endless batches: start another pass over the data whenever one ends (as lesson 00 does)."""
-    while True:
-        yield from loader
-
-
 def main():
     parser = base_parser(__doc__.splitlines()[0], without=("--autocast",))  # fp32 only: parity is exact
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (ranks per layer)")
@@ -344,7 +378,7 @@ def main():
         grid = Grid(layout, rank, place, groups={}, members={})  # the mesh holds the groups
         stage = parallelize_builtin(build_model(model_config(args), seed=args.seed).to(device), mesh, place["pp"])
         if stage.last:
-            output_not_a_view(stage)  # the logits, else FSDP2 warns (see utils/grid.py)
+            output_not_a_view(stage)  # the logits, else FSDP2 warns (see utils/lesson_06/placements.py)
         tp_group, dp_group = mesh["tp"].get_group(), None
         schedule = pipeline.build_builtin_schedule(
             [stage], [place["pp"]], layout.pp, mesh["pp"].get_group(), device, args.schedule, args.microbatches, loss_fn
@@ -366,8 +400,8 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         dist.barrier()  # with NCCL, a collective before the first batch_isend_irecv lets it involve some ranks only
         mine, theirs = replica_batch(inputs, grid), replica_batch(targets, grid)
-        # The last step: what this rank keeps for backward and the collectives it runs (utils/grid.py). Never the
-        # built-in's first step: its schedule then also runs the stage once to learn the shapes it exchanges.
+        # The last step: what this rank keeps for backward and the collectives it runs (utils/lesson_06/measure.py).
+        # Never the built-in's first step: its schedule then also runs the stage once to learn the shapes it exchanges.
         measured = step == args.steps and (step > 1 or args.impl == "scratch")
         with measure_step(measured, count_collectives=not timeline) as seen, timeline.record(step == args.steps, grid):
             if args.impl == "scratch":
@@ -394,7 +428,8 @@ def main():
             print0(f"step {step:4d}  loss {losses[-1]:.4f}  gradient norm {grad_norms[-1]:.4f}")
     logger.close()
 
-    full, checksum = full_parameters(stage, tp_group, shapes, keep=place["dp"] == 0 and place["tp"] == 0)
+    # Every stage whole on every rank; one rank per stage sends it (its DP and TP peers hold copies of the same).
+    full = gather_stages(full_parameters(stage, tp_group), shapes, send=place["dp"] == 0 and place["tp"] == 0)
     if args.checkpoint:
         save0({"model": full, "config": vars(model_config(args))}, args.checkpoint)
         print0(f"saved the full model to {args.checkpoint}")
@@ -413,7 +448,7 @@ def main():
         losses=losses,
         steps=len(losses),
         tokens_per_s=throughput.tokens_per_s,
-        param_checksum=checksum,
+        param_checksum=checksum(full.values()),
         layout={"pp": layout.pp, "dp": layout.dp, "tp": layout.tp},
         coordinates=everyone,
         global_batch=layout.dp * args.batch_size,

@@ -22,7 +22,6 @@ import math
 import os
 import sys
 from contextlib import contextmanager
-from itertools import count
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,6 +43,7 @@ from utils.training import (
     Throughput,
     autocast,
     base_parser,
+    batches,
     build_optimizer,
     check_batches,
     model_config,
@@ -152,10 +152,14 @@ def checked(hook, bucket_sizes: dict):
 
 def allreduce_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Plain DDP as a communication hook: the reference every other method is compared with."""
-    # TODO 1: a DDP communication hook. DDP calls it with each bucket of gradients (bucket.buffer(), one flat
-    #   tensor) and waits for the Future it returns, whose value must be ONE tensor of the bucket's size: the
-    #   averaged gradients. Launch dist.all_reduce(..., group=group, async_op=True) on the buffer (a sum),
-    #   take its .get_future(), and chain .then(...) a function that divides the sum by the group's size.
+    # TODO 1: a DDP communication hook. Return at once a Future that DDP waits on later; its result must be one
+    #   tensor of the bucket's size: these gradients averaged over the group's ranks.
+    # HINT 1: DDP calls the hook while backward is still running. How can a collective start now and finish
+    #   later, and how do you attach the work that must happen once it has finished?
+    # HINT 2: start an asynchronous all-reduce (a sum) of the bucket's flat tensor on `group`; take the Future of
+    #   the work it returns; chain onto it a function that divides the summed tensor by the group's size.
+    # HINT 3: dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future() is a Future of a list that
+    #   holds the summed buffer: return future.then(lambda fut: fut.value()[0].div_(n)), n = the group's size.
     # BEGIN SOLUTION
     buffer = bucket.buffer()
     n = dist.get_world_size(group)
@@ -204,13 +208,21 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     grad = bucket.buffer()
     n = dist.get_world_size(state.group)
     k = min(grad.numel(), max(1, math.ceil(state.ratio * grad.numel())))
-    # TODO 2: top-k with error feedback. Add what this rank kept back last time (state.error_of(bucket): zeros
-    #   at first) to the gradient; pick the k entries of largest magnitude (.abs().topk(k)); keep the rest as
-    #   the new error, the sent entries set to 0 (state.keep(bucket, ...)). All-gather the k values (float) and
-    #   k indices (int32) of every rank (dist.all_gather_single into buffers of n x k, async_op=True), then
-    #   torch.futures.collect_all([...]).then(decode): decode first waits on the collectives' own futures
-    #   (torch.futures.wait_all(...) raises if one failed: never decode a buffer nobody filled), then adds
-    #   every rank's values into a zero tensor of the bucket's size (index_add_), divided by n.
+    # TODO 2: top-k with error feedback. Each rank sends the k largest-magnitude entries of its gradient plus
+    #   what it held back, with 32-bit positions, and holds back the rest per parameter. Return a Future of
+    #   the ranks' average; a failed collective must raise.
+    # HINT 1: the ranks pick different positions, so an all-reduce cannot add their entries up. What must travel
+    #   with each sent number, and what does a rank remember of the numbers it did not send?
+    # HINT 2: add the bucket's held-back error (state.error_of) to the gradient; take the k entries of largest
+    #   magnitude; store the rest, the sent entries zeroed, with state.keep. All-gather every rank's k values
+    #   and k int32 positions asynchronously; once both have arrived (and raised if they failed), add every
+    #   rank's values at their positions into zeros of the bucket's size and divide by the group's size.
+    # HINT 3: corrected = grad + state.error_of(bucket); indices = corrected.abs().topk(k).indices; values =
+    #   corrected[indices]; corrected[indices] = 0; state.keep(bucket, corrected); dist.all_gather_single(
+    #   all_values, values, group=state.group, async_op=True).get_future() and the same for indices.int(), into
+    #   buffers of n x k; return torch.futures.collect_all([...]).then(decode), where decode calls
+    #   torch.futures.wait_all(collected.value()), then returns torch.zeros_like(grad).index_add_(0,
+    #   all_indices.long(), all_values).div_(n).
     # BEGIN SOLUTION
     corrected = grad + state.error_of(bucket)
     indices = corrected.abs().topk(k, sorted=False).indices
@@ -240,11 +252,17 @@ def quantize(x: torch.Tensor, bits: int, generator: torch.Generator) -> tuple[to
     if bits == 32:
         return x.clone(), torch.ones((), dtype=x.dtype, device=x.device)
     levels = 2 ** (bits - 1) - 1
-    # TODO 3: stochastic rounding. Scale x into [-L, L] by one number per tensor (scale = max|x| / L; 1 if x is
-    #   all zeros). Round each entry down or up at random: up with probability equal to its fractional part
-    #   (torch.rand(..., generator=generator) < scaled - floor), so that on average it is not rounded at all.
-    #   Clamp to [-L, L] (floating-point rounding can push the largest entry just past L) and return the codes
-    #   as int8 (bits <= 8) or int16, with the scale.
+    # TODO 3: stochastic rounding. One number per tensor scales x so that its largest magnitude becomes L; each
+    #   entry then becomes one of its two neighbouring integers, drawn from `generator` so that the mean is exact.
+    #   Codes: int8 for bits <= 8, else int16.
+    # HINT 1: a value 0.3 of the way from one integer to the next: with what probability must it go to the upper
+    #   one for its expected value to stay where it was? And what if x is all zeros?
+    # HINT 2: scale = max|x| / L (1 if x is all zeros); divide x by it; take the integer below each entry; add 1
+    #   where a uniform draw from `generator` falls below the entry's fractional part; clamp to [-L, L] (rounding
+    #   can push the largest entry just past L); cast to the code's dtype.
+    # HINT 3: top = x.abs().max(); scale = top / levels (or torch.ones((), ...)); scaled = x / scale; low =
+    #   scaled.floor(); up = torch.rand(x.shape, generator=generator, dtype=x.dtype) < scaled - low; codes = (low +
+    #   up).clamp_(-levels, levels).to(torch.int8 if bits <= 8 else torch.int16); return codes, scale.
     # BEGIN SOLUTION
     top = x.abs().max()
     scale = top / levels if top > 0 else torch.ones((), dtype=x.dtype, device=x.device)
@@ -295,12 +313,18 @@ def quantize_hook(state: QuantizeState, bucket: dist.GradBucket) -> torch.future
     """Each rank sends its gradients as a few bits per entry plus one scale; every rank decodes them all."""
     grad = bucket.buffer()
     n = dist.get_world_size(state.group)
-    # TODO 4: exchange quantized gradients. Quantize the bucket (TODO 3) and turn the codes into bytes
-    #   (to_bytes). Codes of different ranks have different scales and would overflow if summed in a few bits,
-    #   so all-gather them instead: the bytes into a buffer of n x their size, the scales (reshaped to 1 value)
-    #   into n values, both async; then collect_all(...).then(decode): decode waits on the collectives' own
-    #   futures (torch.futures.wait_all raises if one failed), turns the bytes back into n rows of codes
-    #   (from_bytes), dequantizes each row with ITS rank's scale (an n x 1 column), sums the rows, divides by n.
+    # TODO 4: exchange quantized gradients. Every rank sends its bucket quantized (TODO 3) as packed bytes, with
+    #   its scaling number; return a Future of the mean of every rank's decoded gradients. Different scales cannot
+    #   be summed on the way; a failed collective must raise.
+    # HINT 1: each rank's codes mean something only with its own scale. So can an all-reduce add them up? What
+    #   must every rank receive from every other, and how does it turn that back into gradients?
+    # HINT 2: quantize the bucket and pack the codes into bytes (to_bytes); all-gather the bytes (n x their size)
+    #   and the scales (n values) asynchronously; once both have arrived (raising if either failed), unpack n rows
+    #   of codes (from_bytes), dequantize row r with rank r's scale, sum the rows, divide by n.
+    # HINT 3: codes, scale = quantize(grad, state.bits, state.generator); data = to_bytes(codes, state.bits); two
+    #   dist.all_gather_single(..., async_op=True).get_future() (data into n x data.numel(), scale.reshape(1) into
+    #   n); torch.futures.collect_all([...]).then(decode); decode: torch.futures.wait_all(collected.value()), then
+    #   dequantize(from_bytes(all_data.view(n, -1), bits, grad.numel()), all_scales.view(n, 1)).sum(0).div_(n).
     # BEGIN SOLUTION
     codes, scale = quantize(grad, state.bits, state.generator)
     data = to_bytes(codes, state.bits)
@@ -331,11 +355,14 @@ def local_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Ten
 
 def average_parameters(module: torch.nn.Module, group=None):
     """Local SGD's synchronisation: replace every rank's parameters with their mean over the ranks."""
-    # TODO 5: average the parameters. Flatten them into one vector (parameters_to_vector: one collective instead
-    #   of one per tensor), all-reduce it (a sum), divide by the number of ranks, and write it back
-    #   (vector_to_parameters). Run every --local-steps steps, this keeps the ranks' models identical after
-    #   each average and lets them drift apart in between. With --local-steps 1 and SGD it is DDP again (the
-    #   update is linear in the gradient); with AdamW it is not: each rank's moments see only its own gradients.
+    # TODO 5: average the parameters. Afterwards every rank holds the mean over the group of the ranks' parameters,
+    #   exchanged in one collective rather than one per tensor, and written in place outside autograd.
+    # HINT 1: one collective for all the tensors needs them side by side in one tensor. Which utilities flatten a
+    #   list of tensors into one and copy it back? And why must autograd not record the write?
+    # HINT 2: under torch.no_grad(): flatten the parameters into one vector; all-reduce it on `group` (a sum);
+    #   divide by the group's size; copy the vector back into the parameters.
+    # HINT 3: flat = parameters_to_vector(params); dist.all_reduce(flat, group=group);
+    #   vector_to_parameters(flat.div_(dist.get_world_size(group)), params).
     # BEGIN SOLUTION
     with torch.no_grad():
         params = list(module.parameters())
@@ -442,16 +469,11 @@ def main():
         f" | {args.optimizer} | --method {args.method} | device {device.type}"
     )
 
-    def batches():
-        for epoch in count():
-            sampler.set_epoch(epoch)
-            yield from loader
-
     logger = Logger(args, total_steps=args.steps)
     throughput = Throughput(device)
     losses, sent, payload, rounds, spread = [], [], [], [], []
     checksums = torch.zeros(world_size, dtype=torch.float64, device=device)
-    batch_iterator = batches()
+    batch_iterator = batches(loader, sampler)  # endless, reshuffled every epoch (set_epoch)
     for step in range(1, args.steps + 1):
         inputs, targets = next(batch_iterator)
         inputs, targets = inputs.to(device), targets.to(device)

@@ -41,10 +41,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
 from utils.course.faults import crash, forget_kill, pause, seconds_since_kill
+from utils.course.lessons import lesson
 from utils.data import load_token_dataset
 from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
@@ -119,14 +119,6 @@ def checkpoint_dir_problem(folder: Path) -> str | None:
     except OSError as error:
         return f"cannot write into {folder} ({error.strerror}); choose a folder you can write to"
     return None
-
-
-def apply_fsdp(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """FSDP2, as in lesson 03: shard each block, then the root (embeddings, final norm, head)."""
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 @dataclass
@@ -209,12 +201,17 @@ def checkpoint_state(model, optimizer, scheduler, progress: Progress) -> tuple[d
     per_rank: {"rng": {"torch": ..., "cuda": ... where present}}: this rank's own, saved as rank-R.pt.
     shared:   {"step", "epoch", "offset", "losses", "scheduler"}: the same on every rank, saved by rank 0.
     """
-    # TODO 1: what a checkpoint must hold to resume bit-identically. The model and the optimizer (AdamW's
-    #   moments are as much a part of the run as the weights): get_state_dict(model, optimizer) gives both,
-    #   as DTensor shards under FSDP2 and full tensors on one process. Every rank's RNG state (each rank draws
-    #   different random numbers: torch.get_rng_state(), and torch.cuda.get_rng_state() where CUDA is
-    #   available). The step, the data position (epoch, offset) and the losses so far, and the LR schedule
-    #   (scheduler.state_dict()). Return them as the three dicts described above.
+    # TODO 1: what a checkpoint must hold to resume bit-identically. Everything the next step depends on, in the
+    #   three dicts above: model and optimizer state as DCP saves it, this rank's random generators, the LR
+    #   schedule and the progress, copied.
+    # HINT 1: list what a training step reads besides the batch. Which of it lives on one rank only, and which is
+    #   the same on every rank? Which API gives model and optimizer state as shards under FSDP2?
+    # HINT 2: take the model's and the optimizer's state dicts with the distributed state-dict API (DTensor shards
+    #   under FSDP2, full tensors on one process); this rank's CPU generator state, and CUDA's where available; the
+    #   progress as a dict (with its own list of losses) plus the schedule's state dict.
+    # HINT 3: model_state, optimizer_state = get_state_dict(model, optimizer); rng = {"torch":
+    #   torch.get_rng_state()} (+ "cuda": torch.cuda.get_rng_state()); shared = {**asdict(progress), "scheduler":
+    #   scheduler.state_dict()} with shared["losses"] = list(progress.losses); return the three dicts.
     # BEGIN SOLUTION
     model_state, optimizer_state = get_state_dict(model, optimizer)
     sharded = {"model": model_state, "optimizer": optimizer_state}
@@ -237,13 +234,18 @@ def publish(staging: Path, shared: dict, keep: int) -> Path:
     final = checkpoint_dir / checkpoint_name(shared["step"])
     if final.exists():  # a damaged checkpoint of this step, which the resume skipped: make room
         shutil.rmtree(final)
-    # TODO 2: the atomic publish. A crash may strike at any instruction: at every moment the folder must hold
-    #   either the old checkpoint or the new one, complete. So: (a) write META last into `staging`: `shared`
-    #   plus "files", the size of every file in the staging folder, so a reader can tell a complete checkpoint
-    #   from a damaged one (write_durably: written and fsync'ed); (b) rename the staging folder to `final` in
-    #   one os.rename and fsync the parent folder; (c) point POINTER at it: write the name to a temporary file,
-    #   fsync it, os.replace it onto POINTER (a rename replaces a file atomically; a half-written pointer
-    #   would send the next resume nowhere), fsync the folder again.
+    # TODO 2: the atomic publish. Whenever a crash strikes, the directory holds the old checkpoint or the new one,
+    #   complete and vouched for by its record of sizes, and the pointer leads to a complete one. Each change
+    #   reaches the disk before the next.
+    # HINT 1: which file-system operation makes a whole directory, or a new version of a file, appear in one
+    #   indivisible step? And what must reach the disk before that step, so that what appears is never empty?
+    # HINT 2: write META last into the staging directory (`shared` plus "files": the size of every file there) and
+    #   force it to disk; rename the staging directory to `final` and sync the parent; write the pointer to a
+    #   temporary file, sync it, rename it onto POINTER, sync the parent again.
+    # HINT 3: files = {p.name: p.stat().st_size for p in staging.iterdir() if p.is_file()}; write_durably(staging /
+    #   META, json.dumps({**shared, "files": files}).encode()); fsync_dir(staging); os.rename(staging, final);
+    #   fsync_dir(checkpoint_dir); write_durably(checkpoint_dir / "latest.tmp", (final.name + "\n").encode());
+    #   os.replace(that, checkpoint_dir / POINTER); fsync_dir(checkpoint_dir).
     # BEGIN SOLUTION
     files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
     write_durably(staging / META, json.dumps({**shared, "files": files}, indent=1).encode())
@@ -295,12 +297,17 @@ def find_latest(checkpoint_dir: Path) -> Path | None:
     """The newest complete checkpoint in `checkpoint_dir`, or None; says why it skips any other."""
     if not checkpoint_dir.is_dir():
         return None
-    # TODO 3: find the newest complete checkpoint. Folders left by a save that never finished
-    #   (STAGING + name) are partial: say so and ignore them. Among the published step-NNNNNNNN folders,
-    #   the newest first, return the first that problem_with() finds nothing wrong with; for each one it
-    #   skips, print one line naming the folder and the problem ("skipping step-00000008: ..."), so the
-    #   learner sees that the run went back further than expected. (POINTER names the newest published one,
-    #   for readers that do not want to scan; a resume checks everything, so it scans.)
+    # TODO 3: find the newest complete checkpoint. Return the newest published checkpoint that passes the
+    #   completeness check above, or None; say in one line for every directory passed over which it is and why,
+    #   unfinished saves included.
+    # HINT 1: the names sort by step. Which order finds the newest complete one first, and when can you stop? How
+    #   does a save that never finished differ by its name from a published one?
+    # HINT 2: for every STAGING-named directory, print that it is a save that never finished; then go through the
+    #   published step-* directories, newest first: return the first one with no problem, printing for each one
+    #   skipped its name and its problem; None when none is left.
+    # HINT 3: for partial in checkpoint_dir.glob(STAGING + "*"): print(f"ignoring {partial.name}: ..."); for
+    #   folder in the step-* directories sorted in reverse: problem = problem_with(folder); return folder if
+    #   problem is None, else print(f"skipping {folder.name}: {problem}", flush=True); at the end return None.
     # BEGIN SOLUTION
     for partial in sorted(checkpoint_dir.glob(STAGING + "*")):
         print(f"ignoring {partial.name}: a save that never finished (partial checkpoint)", flush=True)
@@ -324,10 +331,17 @@ def restore(folder: Path, model, optimizer, scheduler, progress: Progress, rank:
     per_rank = torch.load(rank_file, weights_only=True) if rank_file.exists() else None
     if per_rank is None:
         print(f"rank {rank}: {folder.name} has no {rank_file.name} (saved by fewer ranks): a fresh RNG", flush=True)
-    # TODO 4: put the run back where it was. The schedule (scheduler.load_state_dict(meta["scheduler"])), the
-    #   progress (step, epoch, offset, losses from meta: batches() then starts at that data position), and
-    #   this rank's RNG (torch.set_rng_state, and torch.cuda.set_rng_state where saved) when `per_rank`
-    #   exists. Miss the RNG and the resumed run draws other random numbers than the uninterrupted one.
+    # TODO 4: put the run back where it was. What checkpoint_state saved outside DCP goes back in place: the LR
+    #   schedule, the progress (batches() then resumes at that data position), and this rank's random generators
+    #   where it saved them.
+    # HINT 1: the weights are loaded already. What else did the uninterrupted run carry from one step to the next,
+    #   and where was each saved: in META, or in this rank's own file?
+    # HINT 2: load the scheduler's state from META; set the progress's step, epoch, offset and losses from META;
+    #   if `per_rank` exists, set this rank's CPU generator state from it, and CUDA's where it was saved and CUDA
+    #   is available.
+    # HINT 3: scheduler.load_state_dict(meta["scheduler"]); progress.step, progress.epoch, progress.offset =
+    #   meta["step"], meta["epoch"], meta["offset"]; progress.losses = list(meta["losses"]); if per_rank is not
+    #   None: torch.set_rng_state(per_rank["rng"]["torch"]) (and torch.cuda.set_rng_state for "cuda").
     # BEGIN SOLUTION
     scheduler.load_state_dict(meta["scheduler"])
     progress.step, progress.epoch, progress.offset = meta["step"], meta["epoch"], meta["offset"]
@@ -469,7 +483,7 @@ def main():
     config = model_config(args)
     model = build_model(config, seed=args.seed).to(device)
     if world_size > 1:
-        model = apply_fsdp(model, init_device_mesh(device.type, (world_size,)))
+        lesson("03").apply_fsdp(model, init_device_mesh(device.type, (world_size,)))  # FSDP2 as lesson 03 shards it
     optimizer = build_optimizer(model.parameters(), args)
     warmup, total = args.warmup_steps, args.steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(  # the LR factor at step s: linear warm-up, then cosine decay

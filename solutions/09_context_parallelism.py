@@ -13,7 +13,6 @@ Every rank holds the whole model: the parameters' gradients are averaged as in l
     torchrun --nproc_per_node=4 solutions/09_context_parallelism.py --impl builtin   # torch's, on GPUs
 """
 
-import itertools
 import math
 import sys
 from contextlib import nullcontext
@@ -31,22 +30,36 @@ from utils.collective_counter import CollectiveCounter
 from utils.course.compat import configure_context_parallel
 from utils.data import load_token_dataset
 from utils.distributed_utils import destroy_process_group, print0, run_main, save0, setup
-from utils.lesson_09.measure import gather, run_measurements
+from utils.lesson_09.measure import per_rank, run_measurements
 from utils.lesson_09.options import add_options, check_run
 from utils.lesson_09.ring import Ring, context_summary
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
-from utils.training import Logger, Throughput, base_parser, build_optimizer, check_batches, model_config, parse_args
+from utils.training import (
+    Logger,
+    Throughput,
+    base_parser,
+    batches,
+    build_optimizer,
+    check_batches,
+    model_config,
+    parse_args,
+)
 
 # The split of the sequence, and one block of attention with the online softmax. TODOs 1-3.
 
 
 def chunk_positions(seq_len: int, rank: int, world_size: int, split: str) -> torch.Tensor:
     """The places in the sequence (0 .. seq_len - 1) of the tokens rank `rank` holds, in increasing order."""
-    # TODO 1: the split of the sequence. "contiguous": cut 0 .. seq_len - 1 into world_size equal chunks and keep
-    #   chunk `rank`. "zigzag": cut it into 2 x world_size equal chunks and keep chunks `rank` and
-    #   2 x world_size - 1 - rank (one from the start, its mirror from the end: under the causal mask, the later
-    #   the chunk, the more keys its queries see, so each rank gets one cheap and one expensive chunk).
+    # TODO 1: the split of the sequence. "contiguous": each rank keeps one of N equal chunks. "zigzag": two of 2N,
+    #   one from each end, so that under the causal mask every rank gets the same work.
+    # HINT 1: Under the causal mask, a query's work grows with its place in the sequence. Which two chunks of 2N add up
+    #   to the same work for every rank?
+    # HINT 2: Chunks of seq_len / N tokens (contiguous) or seq_len / 2N (zigzag). Contiguous: chunk number `rank`.
+    #   Zigzag: chunk `rank` from the start and the chunk as far from the end, the two joined in increasing order.
+    # HINT 3: "contiguous": cut 0 .. seq_len - 1 into world_size equal chunks and keep chunk `rank`. "zigzag": cut it
+    #   into 2 x world_size equal chunks and keep chunks `rank` and 2 x world_size - 1 - rank (torch.arange for each,
+    #   torch.cat to join them).
     # BEGIN SOLUTION
     if split == "contiguous":
         size = seq_len // world_size
@@ -70,11 +83,17 @@ def block_attention(q, k, v, q_positions, k_positions) -> tuple[torch.Tensor, to
     output [..., n, d] (the softmax over this block's keys only) and its log-sum-exp [..., n] (the log of what that
     softmax divided by), all the next blocks need to correct it. A query that sees no key of the block gets the
     output 0 and the log-sum-exp -inf: it has seen nothing yet."""
-    # TODO 2: one block's attention with its log-sum-exp. Scores q @ k^T / sqrt(d); a key is hidden from a query
-    #   when it comes later in the sequence: compare GLOBAL positions (k_positions > q_positions, broadcast to
-    #   [n, m]), and give those scores -inf. lse = torch.logsumexp of the scores over the keys (it never overflows);
-    #   the output is exp(scores - lse) @ v. A row whose keys are all hidden has lse = -inf: subtract 0 there
-    #   instead (exp(-inf) = 0 gives the output 0; -inf - -inf would give nan).
+    # TODO 2: one block's attention with its log-sum-exp. The block's causal attention alone and the log of its
+    #   softmax's normaliser, the mask comparing places in the whole sequence, computed without overflow; seeing no key
+    #   gives 0 and -inf.
+    # HINT 1: What must a later block know to correct this one's softmax? And which keys does a query see, when its
+    #   block holds places from anywhere in the sequence?
+    # HINT 2: Scale the scores by 1 / sqrt(d); hide every key whose place is after the query's; take the log-sum-exp
+    #   of each row in a form that never overflows; weight the values by exp(scores - lse). Guard the rows that see
+    #   no key: -inf - -inf is nan.
+    # HINT 3: Scores q @ k^T / sqrt(d); hidden = k_positions > q_positions (broadcast to [n, m]) gets -inf;
+    #   lse = torch.logsumexp of the scores over the keys; the output is exp(scores - lse) @ v, subtracting 0 where
+    #   lse = -inf (exp(-inf) = 0 then gives the output 0).
     # BEGIN SOLUTION
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     hidden = k_positions[None, :] > q_positions[:, None]
@@ -92,10 +111,15 @@ def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
     block's keys. Over both, the normaliser is exp(lse) + exp(block_lse), so each part is re-weighted by its share.
     The running state starts at out = 0, lse = -inf (no keys yet), and a query that has seen no key in either
     stays there."""
-    # TODO 3: merging a block into the running output. new_lse = log(exp(lse) + exp(block_lse)), computed without
-    #   overflow (torch.logaddexp); then out = out * exp(lse - new_lse) + block_out * exp(block_lse - new_lse) (the
-    #   shares, as [..., n, 1]). Where new_lse is -inf (nothing seen by either), subtract 0 instead, as in TODO 2.
-    #   Return (out, new_lse).
+    # TODO 3: merging a block into the running output. The output and log-sum-exp of both parts together: each
+    #   part weighs its normaliser's share of their sum, without overflow; a query that saw nothing stays at 0, -inf.
+    # HINT 1: out is normalised by exp(lse), block_out by exp(block_lse). Over both, what is the normaliser, and what
+    #   fraction of it does each part bring?
+    # HINT 2: The new log-sum-exp is the log of the sum of the two exponentials (torch has it without overflow).
+    #   Re-weight out and block_out by exp(their lse - the new one), broadcast over the last axis, and add them.
+    #   Where the new one is -inf, subtract 0 instead, as in TODO 2.
+    # HINT 3: new_lse = torch.logaddexp of the two; out = out * exp(lse - new_lse)[..., None] + block_out *
+    #   exp(block_lse - new_lse)[..., None], with new_lse replaced by 0 where it is -inf. Return (out, new_lse).
     # BEGIN SOLUTION
     new_lse = torch.logaddexp(lse, block_lse)
     shift = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # nothing seen yet: both shares exp(-inf) = 0
@@ -118,13 +142,19 @@ def ring_attention_forward(q, k, v, positions, all_positions, ring: Ring):
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     kv = torch.stack([k, v])  # one message a hop: keys and values travel together
     next_rank, previous_rank = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
-    # TODO 4: the ring forward. For step in range(ring.size), this rank holds the block of rank
-    #   owner = (ring.rank - step) % ring.size (its own at step 0). Unless it is the last step, FIRST post the next
-    #   exchange, pending = ring.start(kv, send_to=next_rank, receive_from=previous_rank), so that the transfer runs
-    #   while this rank computes. Then, for each query piece qs in pieces(positions) and key piece ks in
-    #   pieces(all_positions[owner]): skip the pair when its first key comes after its last query (no work); else
-    #   ring.count(the pieces' positions), block_attention on the pieces, and merge into out[..., qs, :] and
-    #   lse[..., qs]. Last, kv = pending.wait() (the next block) before the next step.
+    # TODO 4: the ring forward. Pass the blocks of keys and values round the ring (ring.start, then .wait), folding
+    #   each into the queries' running softmax; post each exchange before computing, so that it travels meanwhile.
+    #   ring.count every block computed.
+    # HINT 1: At step s, whose block does this rank hold? Which pairs of a query piece and a key piece have nothing to
+    #   compute under the causal mask? What can travel while this rank computes?
+    # HINT 2: N steps; the block held at step s is rank (r - s)'s. Each step: post the exchange of the block held
+    #   (to r + 1, from r - 1) unless it is the last step; for each piece of queries and of the owner's keys, skip the
+    #   pair if its first key is after its last query, else count it, compute it (TODO 2) and merge it (TODO 3) into
+    #   out and lse at the queries' piece; then wait for the next block.
+    # HINT 3: For step in range(ring.size), owner = (ring.rank - step) % ring.size. Unless last, FIRST
+    #   pending = ring.start(kv, send_to=next_rank, receive_from=previous_rank). Then for qs in pieces(positions), ks in
+    #   pieces(all_positions[owner]): continue when k_positions[ks][0] > positions[qs][-1]; else ring.count(the pieces'
+    #   positions), block_attention on the pieces, merge into out[..., qs, :], lse[..., qs]. Last, kv = pending.wait().
     # BEGIN SOLUTION
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
@@ -165,12 +195,18 @@ def ring_attention_backward(d_out, q, k, v, out, lse, positions, all_positions, 
     kv = torch.stack([k, v])
     d_q, d_kv = torch.zeros_like(q), torch.zeros_like(kv)  # d_kv: a held block's gradient; at the end, this rank's
     next_rank, previous_rank = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
-    # TODO 5: the ring backward, with an asynchronous gradient hop. The same steps as TODO 4 (post the next kv
-    #   exchange first unless last, visit and ring.count the same pairs), each block giving
-    #   block_attention_backward(its q, k, v, out, d_out, lse, positions) -> d_q, d_k, d_v pieces: ADD d_q into
-    #   d_q[..., qs, :], d_k and d_v into this step's d_kv (zeros like kv) at [..., ks, :]. From step 1 on, then add
-    #   the held block's gradient that the previous rank sent at its last step (wait for it only now), and post
-    #   this step's sum to the next rank. After the last step, the received gradient is this rank's own dK, dV.
+    # TODO 5: the ring backward, with an asynchronous gradient hop. This rank's q, k, v gradients: blocks travel as
+    #   in TODO 4; each block's gradient follows one hop behind, gathering every rank's share, and ends at its owner.
+    # HINT 1: Each rank computes only its queries' share of a block's gradient. How does the sum of every rank's share
+    #   reach the block's owner, and can it travel while the next block is computed?
+    # HINT 2: The same steps and skipped pairs as TODO 4, each block giving block_attention_backward's pieces: add the
+    #   queries' into d_q and the keys' and values' into a fresh gradient of the held block. From step 1 on, add the
+    #   sum the previous rank sent for the same block (wait for it only now), then post the sum to the next rank. At
+    #   the end, the last gradient received is this rank's own (or keep its own share home: one hop fewer).
+    # HINT 3: Each step: d_kv = zeros like kv; for each pair, block_attention_backward(its q, k, v, out, d_out, lse,
+    #   positions) -> add into d_q[..., qs, :], d_kv[0][..., ks, :], d_kv[1][..., ks, :]. If a gradient is travelling:
+    #   d_kv += travelling.wait(). Then travelling = ring.start(d_kv, send_to=next_rank, receive_from=previous_rank);
+    #   unless last, kv = pending.wait(). After the loop: d_kv = travelling.wait().
     # BEGIN SOLUTION
     travelling = None  # the gradient hop in flight: the previous step's, posted and not yet waited for
     for step in range(ring.size):
@@ -248,10 +284,14 @@ def sequence_to_heads(x: torch.Tensor, world_size: int, all_to_all) -> torch.Ten
     """[B, H, n, d]: this rank's n tokens of every head -> [B, H/N, N n, d]: every rank's tokens (rank 0's, then
     rank 1's, ...) of this rank's H/N heads (rank r's are heads r H/N to (r+1) H/N - 1). all_to_all(blocks [N, ...])
     sends block j to rank j and returns [N, ...], block j from rank j."""
-    # TODO 6: the sequence split becomes a head split. Cut the heads into N groups of H/N and make the group axis
-    #   the first: [N, B, H/N, n, d] (reshape, then move the axis), so that group j goes to rank j. all_to_all
-    #   returns [N, B, H/N, n, d], block j being rank j's n tokens of this rank's heads: put the rank axis next to
-    #   the tokens and merge them, rank by rank: [B, H/N, N n, d].
+    # TODO 6: the sequence split becomes a head split. Return every rank's tokens of this rank's heads, rank by rank:
+    #   arrange the heads so that block j of one all_to_all is what rank j needs, then join what arrives.
+    # HINT 1: Rank j will hold heads j H/N .. (j+1) H/N - 1 of every token. Which part of this rank's [B, H, n, d] must
+    #   go to rank j, and along which axis do the received blocks line up?
+    # HINT 2: Cut the head axis into N groups of H/N and make the group axis the first, [N, B, H/N, n, d]; exchange;
+    #   block j that comes back is rank j's n tokens: join the blocks along the tokens, rank 0's first.
+    # HINT 3: x.reshape(B, N, H/N, n, d).transpose(0, 1) -> all_to_all -> [N, B, H/N, n, d]; move the rank axis next
+    #   to the tokens (permute(1, 2, 0, 3, 4)) and merge them: reshape to [B, H/N, N n, d].
     # BEGIN SOLUTION
     batch, heads, tokens, head_dim = x.shape
     blocks = x.reshape(batch, world_size, heads // world_size, tokens, head_dim).transpose(0, 1)
@@ -263,10 +303,14 @@ def sequence_to_heads(x: torch.Tensor, world_size: int, all_to_all) -> torch.Ten
 def heads_to_sequence(y: torch.Tensor, world_size: int, all_to_all) -> torch.Tensor:
     """The way back: [B, H/N, N n, d], every rank's tokens of this rank's heads -> [B, H, n, d], this rank's tokens
     of every head (sequence_to_heads undone)."""
-    # TODO 7: the head split becomes the sequence split again. Cut the N n tokens into the N ranks' n and make
-    #   that axis the first: [N, B, H/N, n, d] (block j holds rank j's tokens: it goes back to rank j). all_to_all
-    #   returns block j = this rank's tokens of rank j's heads: put the rank axis next to the heads and merge them,
-    #   rank by rank: [B, H, n, d].
+    # TODO 7: the head split becomes the sequence split again. Undo TODO 6: send each rank its own tokens of this
+    #   rank's heads, and join what comes back head group by head group.
+    # HINT 1: The N n tokens are every rank's, in rank order. Which of them belong to rank j, and where do rank j's
+    #   heads go in this rank's [B, H, n, d]?
+    # HINT 2: Cut the tokens into N chunks of n and make that axis the first, [N, B, H/N, n, d]; exchange; block j that
+    #   comes back holds this rank's tokens of rank j's heads: join the blocks along the heads, rank 0's first.
+    # HINT 3: y.reshape(B, H/N, N, n, d).permute(2, 0, 1, 3, 4) -> all_to_all -> [N, B, H/N, n, d]; then
+    #   transpose(0, 1) and reshape to [B, H, n, d].
     # BEGIN SOLUTION
     batch, heads, tokens, head_dim = y.shape
     blocks = y.reshape(batch, heads, world_size, tokens // world_size, head_dim).permute(2, 0, 1, 3, 4)
@@ -279,11 +323,16 @@ def ulysses_attention(q, k, v, all_positions, all_to_all) -> torch.Tensor:
     """Causal attention of this rank's tokens q, k, v [B, H, n, d] (at the places all_positions[rank]) on the whole
     sequence, by Ulysses: out [B, H, n, d], what one process's attention gives for them."""
     world_size = len(all_positions)
-    # TODO 8: Ulysses attention. Turn q, k and v into head splits (TODO 6): each then holds the whole sequence
-    #   for H/N heads, its tokens in rank order (all_positions concatenated gives their places). Put them in
-    #   sequence order (torch.argsort of those places), run F.scaled_dot_product_attention(is_causal=True) on
-    #   whole sequences (any attention kernel: a fused one keeps no scores), put the output back in rank order,
-    #   and turn it into this rank's tokens of every head (TODO 7).
+    # TODO 8: Ulysses attention. Causal attention for this rank's tokens, by attending over whole sequences of this
+    #   rank's heads between TODOs 6 and 7. The tokens gathered arrive in rank order: with zigzag, not the sequence's.
+    # HINT 1: After TODO 6 each rank holds every token of H/N heads, rank 0's tokens first. Where does each sit in the
+    #   sequence, and what does the causal mask need?
+    # HINT 2: Turn q, k and v into head splits. Either put the tokens in sequence order (sort by their places), run
+    #   causal attention and undo the permutation, or keep rank order and build the mask from the places. Then back to
+    #   this rank's tokens of every head.
+    # HINT 3: order = torch.argsort(torch.cat(all_positions)); out = F.scaled_dot_product_attention(q[..., order, :],
+    #   k[..., order, :], v[..., order, :], is_causal=True); return heads_to_sequence(out[..., torch.argsort(order), :],
+    #   world_size, all_to_all).
     # BEGIN SOLUTION
     q, k, v = (sequence_to_heads(t, world_size, all_to_all) for t in (q, k, v))
     order = torch.argsort(torch.cat(all_positions))  # the gathered tokens, rank by rank -> sequence order
@@ -376,8 +425,7 @@ def main():
                                          generator=generator)  # fmt: skip
     logger, throughput, losses = Logger(args, total_steps=args.steps), Throughput(device), []
     counter = CollectiveCounter() if args.impl == "ulysses" else None  # the all-to-alls' bytes (slow: one step)
-    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
-    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches):
+    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(loader)):  # epoch after epoch
         inputs, targets = inputs.to(device), targets.to(device)
         optimizer.zero_grad(set_to_none=True)
         with counter.phase("step") if counter and step == 1 else nullcontext():
@@ -404,7 +452,7 @@ def main():
     # measured: the ring's work, bytes, time, timeline and memory, or Ulysses' bytes (utils/lesson_09/measure.py)
     write_metrics(args.metrics_out, final_loss=losses[-1], losses=losses, steps=len(losses),
                   tokens_per_s=throughput.tokens_per_s, param_checksum=param_checksum(model),
-                  bytes_per_rank=gather(state_bytes(model, optimizer)), batch_size=args.batch_size,
+                  bytes_per_rank=per_rank(state_bytes(model, optimizer)), batch_size=args.batch_size,
                   seq_len=args.seq_len, impl=args.impl, cp_split=args.cp_split, optimizer=args.optimizer,
                   dataset=args.dataset, positions=[p.tolist() for p in all_positions], **measured)  # fmt: skip
     print0(f"throughput: {throughput.tokens_per_s:,.0f} tokens/s on {world_size} x {device.type}")

@@ -40,7 +40,16 @@ from utils.lesson_10.record import ExpertRecord, full_weights, timed
 from utils.lesson_10.reference import EXPERT_WEIGHTS, build_experts, build_router
 from utils.metrics import state_bytes, write_metrics
 from utils.model import build_model, loss_fn
-from utils.training import Logger, Throughput, base_parser, build_optimizer, check_batches, model_config, parse_args
+from utils.training import (
+    Logger,
+    Throughput,
+    base_parser,
+    batches,
+    build_optimizer,
+    check_batches,
+    model_config,
+    parse_args,
+)
 
 # Rank r of N holds experts r E/N ... (r+1) E/N - 1 of every MoE layer. In each layer, each rank routes its own
 # tokens (TODO 1); with --dispatch padded it keeps each expert's first `capacity` choices (TODO 2) and sends fixed
@@ -59,10 +68,17 @@ class Routing:
 
 def route(logits: torch.Tensor, k: int) -> Routing:
     """logits [T, E] (the router's output for T tokens) -> each token's top-k experts, their gates, the loss."""
-    # TODO 1: the router: top-k experts, their gates, and the load-balancing loss. Softmax over the E logits, each
-    #   token's k most probable experts (topk). Gates: at k = 1 the probability itself (Switch: a gate of 1 would
-    #   teach the router nothing), at k > 1 the k probabilities renormalised to sum to 1. Loss (Switch): E x sum_e
-    #   f_e P_e, f_e the fraction of the T x k choices picking e (a count), P_e its mean probability.
+    # TODO 1: the router: top-k experts, their gates, and the load-balancing loss. Each token's k most probable
+    #   experts; gates that let the task teach the router, at k = 1 too; Switch's loss, its gradient through the
+    #   probabilities only.
+    # HINT 1: If a token's only gate were always 1, what would the task's loss teach the router? Which part of
+    #   Switch's loss is a count, and which one is differentiable?
+    # HINT 2: Softmax over the E logits; the k largest probabilities and their experts. Gates: at k = 1 the
+    #   probability itself, at k > 1 the k probabilities divided by their sum. The loss: E times the sum over experts
+    #   of (the fraction of the T x k choices that picked e) x (e's mean probability over the tokens).
+    # HINT 3: probs = softmax; top, experts = probs.topk(k); gates = top if k == 1 else top / top.sum(-1, keepdim=True);
+    #   f = torch.bincount(experts.flatten(), minlength=E) / (T k), as a float; P = probs.mean(0);
+    #   aux_loss = E x (f * P).sum(). Return Routing(experts, gates, aux_loss).
     # BEGIN SOLUTION
     n_experts = logits.shape[-1]
     probs = logits.softmax(dim=-1)
@@ -76,12 +92,20 @@ def route(logits: torch.Tensor, k: int) -> Routing:
 
 
 def keep_within_capacity(experts: torch.Tensor, n_experts: int, capacity_factor: float):
-    """experts [T, k] -> (kept [T, k], slots [T, k], capacity). A choice's slot is its place in its expert's queue;
-    it is kept when slot < capacity. Served in priority order: every token's first choice, then every token's
-    second, ...; tokens in order. Each rank decides for its own T tokens, before any communication."""
-    # TODO 2: the capacity and each choice's place in its expert's queue. capacity = ceil(C x T x k / E). Read the
-    #   choices column by column (the priority order); a choice's slot counts the earlier choices of the same expert
-    #   (F.one_hot, cumsum, gather). Return (slots < capacity, slots, capacity): the first two are [T, k].
+    """experts [T, k] -> (kept [T, k], slots [T, k], capacity). A choice's slot is its place in its expert's queue
+    (any other order of an expert's kept choices in its buffer would do as well); it is kept when slot < capacity.
+    Served in priority order: every token's first choice, then every token's second, ...; tokens in order. Each rank
+    decides for its own T tokens, before any communication."""
+    # TODO 2: the capacity and each choice's place in its expert's queue. Which choices fit, their slots, and the
+    #   capacity for this rank's tokens; an expert's queue serves every token's first choice before any second, tokens
+    #   in order.
+    # HINT 1: The capacity is the even share of this rank's choices per expert, times the factor, rounded up. In what
+    #   order are the choices served, and how many choices of the same expert come before a given one?
+    # HINT 2: capacity = ceil(C x T x k / E). Read the [T, k] choices column by column (every first choice, then every
+    #   second); count, for each choice, the earlier choices of its expert (a running count per expert); that count is
+    #   its slot, laid back out as [T, k]. A choice fits when its slot is below the capacity.
+    # HINT 3: in_order = experts.t().flatten(); its slots: (F.one_hot(in_order, E).cumsum(0) - 1).gather(1,
+    #   in_order[:, None]); then .view(k, T).t(). Return (slots < capacity, slots, capacity).
     # BEGIN SOLUTION
     n_tokens, k = experts.shape
     capacity = math.ceil(capacity_factor * n_tokens * k / n_experts)
@@ -132,9 +156,17 @@ def dispatch(tokens, routing: Routing, n_experts: int, exchange, group=None) -> 
     must process, grouped by source rank and within each by expert, as torch's all-to-all delivers them (with the
     plan). `exchange(rows, output_splits, input_splits, group)` is the differentiable all-to-all."""
     world_size, k = dist.get_world_size(group), routing.experts.shape[1]
-    # TODO 3: the counts, then the rows (uneven splits). Order the T x k choices by expert, so each rank's rows are
-    #   contiguous. Nobody knows yet what it will receive: exchange the per-expert counts first
-    #   (dist.all_to_all_single), then send the choices' tokens with `exchange`. Expert e lives on rank e // (E/N).
+    # TODO 3: the counts, then the rows (uneven splits). Send each choice's token to the rank holding its expert, each
+    #   rank's rows contiguous; no rank knows what it will receive until the ranks exchange counts
+    #   (dist.all_to_all_single).
+    # HINT 1: Rank r holds experts r E/N .. (r+1) E/N - 1. How must the T x k choices be ordered so that the rows for
+    #   each rank, and for each expert, are contiguous? And how does a rank learn how many rows will arrive?
+    # HINT 2: Order the flattened choices by expert (remember that order: the combine needs it); count the choices per
+    #   expert; exchange the counts with dist.all_to_all_single; sum them per rank on both sides (the splits); send
+    #   the choices' tokens (choice i is token i // k) with `exchange`.
+    # HINT 3: order = torch.argsort(routing.experts.flatten(), stable=True); counts = torch.bincount(..., minlength=E);
+    #   dist.all_to_all_single(recv_counts, counts); splits = counts.view(N, -1).sum(1).tolist(), likewise received;
+    #   send tokens[order // k] with exchange(rows, recv_splits, send_splits, group); return them with Plan(...).
     # BEGIN SOLUTION
     flat_experts = routing.experts.flatten()
     order = torch.argsort(flat_experts, stable=True)
@@ -151,9 +183,14 @@ def dispatch(tokens, routing: Routing, n_experts: int, exchange, group=None) -> 
 def combine(results, plan: Plan, routing: Routing, n_tokens: int, exchange, group=None) -> torch.Tensor:
     """Dropless: the experts' results [R, D] back to the ranks that sent the rows -> this rank's output [T, D]."""
     k = routing.experts.shape[1]
-    # TODO 4: the way back. Send the results back with `exchange`, the dispatch's splits swapped: they return in the
-    #   order this rank sent them (plan.order). Weight each by its choice's gate and add it to its token's row of a
-    #   [T, D] output of zeros (index_add: a token with k choices gets k results).
+    # TODO 4: the way back. This rank's output [T, D]: the results return by the reverse exchange, and each token gets
+    #   the gate-weighted sum of its choices' results (a token with k choices gets k).
+    # HINT 1: In which order do the results come back, and which of the plan's fields says which choice each row was?
+    # HINT 2: Exchange the results with the dispatch's splits swapped; they arrive in the order this rank sent its
+    #   rows. Read each row's gate in that order, weight the row, and add it into its token's row of a zero [T, D]
+    #   output (adding, not assigning: a token's k results all count).
+    # HINT 3: exchange the results with output splits plan.send_splits, input splits plan.recv_splits; gates =
+    #   routing.gates.flatten()[plan.order]; return zeros(T, D).index_add(0, plan.order // k, back * gates[:, None]).
     # BEGIN SOLUTION
     back = exchange(results, plan.send_splits, plan.recv_splits, group)
     gates = routing.gates.flatten()[plan.order]
@@ -193,9 +230,14 @@ def synchronize_gradients(replicated: list, experts: list, group=None):
     """After backward: every rank holds its own loss's gradients (the mean over its tokens). The objective is the
     mean of the ranks' losses (the global batch's mean)."""
     world_size = dist.get_world_size(group)
-    # TODO 5: the gradients. The replicated parameters have one gradient per rank: average them over the ranks
-    #   (lesson 02; one flat buffer). An expert's gradient already sums what came back from every rank's tokens,
-    #   each rank's loss a mean over its own: N times the global mean's, so divide it. Never all-reduce it.
+    # TODO 5: the gradients. Make every gradient that of the global batch's mean loss: a replicated parameter's differs
+    #   per rank (lesson 02); an expert's already sums every rank's tokens. Never all-reduce an expert's.
+    # HINT 1: Each rank's loss is a mean over its own tokens. What does the all-to-all's backward already add up into
+    #   an expert's gradient, and how far is that from the global mean's?
+    # HINT 2: The replicated parameters: one flat buffer of their gradients, all-reduced and divided by N (or averaged),
+    #   copied back. The experts' parameters: divide each gradient by N, nothing else.
+    # HINT 3: flat = torch.cat of the replicated gradients, flattened; dist.all_reduce(flat); flat /= world_size; copy
+    #   each piece back (flat.split by sizes, view_as); for p in experts: p.grad /= world_size.
     # BEGIN SOLUTION
     gradients = [p.grad for p in replicated]
     flat = torch.cat([g.flatten() for g in gradients])
@@ -316,8 +358,7 @@ def train(args, rank: int, world_size: int, device: torch.device):
     )
     counter, record = CollectiveCounter(), ExpertRecord(layers, args.experts)
     logger, throughput = Logger(args, total_steps=args.steps), Throughput(device)
-    batches = (batch for _ in iter(int, 1) for batch in loader)  # endless: epoch after epoch
-    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches):
+    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(loader)):  # epoch after epoch
         inputs, targets = inputs.chunk(world_size)[rank].to(device), targets.chunk(world_size)[rank].to(device)
         optimizer.zero_grad(set_to_none=True)
         with counter.phase("step") if step == 1 else nullcontext():  # the all-to-all bytes of one step

@@ -3,23 +3,17 @@
 `make check LESSON=01` runs these against exercises/01_collectives.py: each failure names its TODO.
 """
 
-import importlib.util
 import json
+import math
 
 import pytest
 
 from tests.harness.launch import ROOT, python, torchrun
 from utils.course.lab import failure
+from utils.course.lessons import load_script
 
 WORKER = ROOT / "tests" / "workers" / "collectives_check.py"
 LAB_WORKER = ROOT / "tests" / "workers" / "lab_check.py"
-
-
-def load_module(path):
-    spec = importlib.util.spec_from_file_location("lesson01", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
@@ -28,7 +22,7 @@ def checks(request, lesson, tmp_path_factory):
     out = tmp_path_factory.mktemp("collectives") / "checks.json"
     run = torchrun(WORKER, request.param, [lesson("01"), out], timeout=120)
     if run.returncode == 0:
-        return json.loads(out.read_text())
+        return {**json.loads(out.read_text()), "world_size": request.param}
     # A crash (gloo aborts a rank whose send and receive sizes differ) ends every check of the launch: run
     # each check alone, so that the crash is blamed on its own TODO and the others are still graded.
     results = {}
@@ -36,31 +30,36 @@ def checks(request, lesson, tmp_path_factory):
         alone = torchrun(WORKER, request.param, [lesson("01"), out, name], timeout=120)
         crashed = f"the ranks crashed (exit {alone.returncode}): {alone.tail(3)}"
         results[name] = json.loads(out.read_text())[name] if alone.returncode == 0 else {"(all)": crashed}
-    return results
+    return {**results, "world_size": request.param}
 
 
-def assert_exact(results: dict, todo: str):
-    for shape, outcome in results.items():
-        assert not isinstance(outcome, str), f"{todo}, tensor of shape {shape}: {outcome}"
+def assert_exact(checks: dict, check: str, todo: str, what: str):
+    """Each shape's largest difference from dist.all_reduce must be 0; the message says where and by how much."""
+    for shape, outcome in checks[check].items():
+        where = f"{todo}: at {checks['world_size']} ranks"
+        where += "" if shape == "(all)" else f", on a tensor of shape {shape}"  # "(all)": the launch crashed
+        assert not isinstance(outcome, str), f"{where}: {outcome}"
+        # TODO 2's check fills the chunks still to arrive with NaN.
+        assert not math.isnan(outcome), f"{where}, {what} still holds the NaN it started with: it never arrived"
         # Integer-valued inputs: every order of summation gives exactly the library's answer.
-        assert outcome == 0.0, f"{todo}, tensor of shape {shape}: differs from the library by {outcome}"
+        assert outcome == 0.0, f"{where}, {what} is off from dist.all_reduce's sum by up to {outcome:g}, expected 0"
 
 
 def test_todo1_ring_reduce_scatter_phase(checks):
-    assert_exact(checks["todo1"], "TODO 1 (ring reduce-scatter)")
+    assert_exact(checks, "todo1", "TODO 1 (ring reduce-scatter)", "the chunk each rank must end with, (rank + 1) % n,")
 
 
 def test_todo2_ring_all_gather_phase(checks):
-    assert_exact(checks["todo2"], "TODO 2 (ring all-gather)")
+    assert_exact(checks, "todo2", "TODO 2 (ring all-gather)", "a gathered chunk")
 
 
 def test_ring_all_reduce_of_todos_1_and_2_equals_library(checks):
     """The two phases together (an "other check": TODOs 1 and 2 are each graded on their own above)."""
-    assert_exact(checks["ring"], "TODOs 1 and 2 together (ring_all_reduce)")
+    assert_exact(checks, "ring", "TODOs 1 and 2 together (ring_all_reduce)", "the result")
 
 
 def test_todo3_all_reduce_from_reduce_scatter_and_all_gather(checks):
-    assert_exact(checks["todo3"], "TODO 3 (reduce-scatter + all-gather)")
+    assert_exact(checks, "todo3", "TODO 3 (reduce-scatter + all-gather)", "the tensor after the call")
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +126,7 @@ def test_script_runs_and_writes_metrics(lesson, tmp_path):
 
 def test_alpha_beta_fit_recovers_the_ring_model(lesson):
     """Timings made from t(S) = 2(n-1) alpha + 2(n-1)/n S beta give back alpha and beta themselves."""
-    module = load_module(lesson("01"))
+    module = load_script(lesson("01"), "lesson01")
     alpha, beta, n = 50e-6, 1 / 2e9, 4  # 50 us per message, 2 GB/s per link
     rows = [
         {"bytes": size, "library": {"seconds": 2 * (n - 1) * alpha + 2 * (n - 1) / n * size * beta}}

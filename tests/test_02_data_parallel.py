@@ -67,13 +67,13 @@ def check_todo1(scratch):
     reached(scratch, "broadcast", 1)
     diff = scratch["broadcast_diff"]
     assert diff == 0, (
-        f"TODO 1: after wrapping, a rank's weights differ from rank 0's by {diff:.1e}: "
-        "dist.broadcast(tensor, src=0) every parameter and buffer"
+        f"TODO 1: after wrapping, a rank's weights differ from rank 0's by {diff:.1e}, expected 0: every rank "
+        "should hold rank 0's values, whatever seed it built its copy from"
     )
     diff = scratch["buffer_diff"]
     assert diff == 0, (
-        f"TODO 1: after wrapping, a rank's buffers differ from rank 0's by {diff:.1e}: broadcast module.buffers() "
-        "too, not only the parameters"
+        f"TODO 1: after wrapping, the parameters agree but a rank's buffers differ from rank 0's by {diff:.1e}, "
+        "expected 0: buffers (state that is not a parameter) must start alike too"
     )
 
 
@@ -82,20 +82,20 @@ def check_todo2(scratch):
     reached(scratch, "hooks", 2)
     for kind, hooks in scratch["hooks"].items():
         buckets = hooks["buckets"]
-        assert buckets >= 3, f"only {buckets} buckets: the tiny bucket cap should split the gradients"
+        assert buckets >= 3, f"only {buckets} buckets, expected 3 or more: the tiny bucket cap should split them"
         where = "" if kind == "mlp" else " (one hook completing several)"  # the reordered model: all at once
         assert hooks["from_hooks"] == buckets, (
-            f"TODO 2: {hooks['from_hooks']} of {buckets} buckets launched from the hooks{where}: put each gradient "
-            "in its bucket, then launch full buckets in order while the next is full"
+            f"TODO 2: {hooks['from_hooks']} of {buckets} buckets were launched from the hooks{where}, expected all "
+            f"{buckets}: a bucket should go as soon as it and every bucket before it are full"
         )
         expected = list(range(buckets))
         assert all(order == expected for order in hooks["orders"]), (
-            f"TODO 2: launch from self._next_to_launch on, stopping at the first bucket not full: the ranks launched "
-            f"the buckets in the orders {hooks['orders']}{where}"
+            f"TODO 2: the ranks launched the buckets in the orders {hooks['orders']}{where}, expected {expected} on "
+            "every rank: launch them in list order, never one before an earlier one"
         )
         assert hooks["grad_vs_average"] <= TOLERANCE, (
             f"TODO 2: after backward, .grad differs from the average over ranks by {hooks['grad_vs_average']:.1e}"
-            f"{where}: put each parameter's gradient into its own bucket (self._bucket_of[id(p)].put(p))"
+            f"{where}, expected 0: each parameter's gradient should travel in its own bucket"
         )
 
 
@@ -104,20 +104,21 @@ def check_todo3(scratch):
     reached(scratch, "launch", 3)
     launch = scratch["launch"]
     assert launch["handles"] == ["Work"], (
-        f"TODO 3: bucket.work holds {launch['handles']}, not the handle dist.all_reduce(..., async_op=True) returns"
+        f"TODO 3: bucket.work holds {launch['handles']}, expected ['Work']: the handle of an all-reduce launched "
+        "without waiting (async_op=True)"
     )
     assert launch["flat_vs_average"] <= TOLERANCE, (
         f"TODO 3: after the all-reduce, a bucket differs from the average of the ranks' gradients by "
-        f"{launch['flat_vs_average']:.1e}: all-reduce bucket.flat with op=ReduceOp.AVG (not the sum)"
+        f"{launch['flat_vs_average']:.1e}, expected 0: the average over ranks (a sum is N times it)"
     )
     assert launch["allreduce_bytes"] == launch["param_bytes"], (
         f"TODO 3: counted {launch['allreduce_bytes']} bytes all-reduced in one backward for "
-        f"{launch['param_bytes']} bytes of gradients: add bucket.nbytes once per launched bucket"
+        f"{launch['param_bytes']} bytes of gradients, expected them equal: count each launched bucket's bytes once"
     )
     buckets = launch["buckets"]
     assert launch["order"] == list(range(buckets)) and launch["next_to_launch"] == buckets, (
         f"TODO 3: after launching buckets 0-{buckets - 1}, launch_order is {launch['order']} and _next_to_launch "
-        f"{launch['next_to_launch']}: append bucket.index to self.launch_order and advance self._next_to_launch"
+        f"{launch['next_to_launch']}, expected {list(range(buckets))} and {buckets}: record each launch"
     )
 
 
@@ -126,10 +127,13 @@ def check_todo4(scratch):
     reached(scratch, "unpack", 4)
     unpack = scratch["unpack"]
     assert unpack["grad_vs_average"] <= TOLERANCE, (
-        f"TODO 4: after backward, .grad differs from the average over ranks by {unpack['grad_vs_average']:.1e}: "
-        "wait for each bucket's all-reduce (bucket.work.wait()), then unpack it into .grad"
+        f"TODO 4: after backward, .grad differs from the average over ranks by {unpack['grad_vs_average']:.1e}, "
+        "expected 0: a bucket holds the average only once its all-reduce is waited for, then .grad must get it"
     )
-    assert unpack["buckets_reset"], "TODO 4: reset each bucket after unpacking (ready.clear(), work = None)"
+    assert unpack["buckets_reset"], (
+        "TODO 4: after backward, some bucket still holds its handle or its set of ready parameters, expected every "
+        "bucket empty: the next backward would see this one's"
+    )
 
 
 def test_todo1_broadcast_gives_every_rank_rank0_weights_and_buffers(scratch):
@@ -160,7 +164,7 @@ def test_todos_1_2_3_4_together_launch_from_the_hooks_and_average(scratch, needs
     assert together["handles"] == ["Work"], f"TODO 3: bucket.work holds {together['handles']}"
     assert together["allreduce_bytes"] == together["param_bytes"], f"TODO 3: {together['allreduce_bytes']} bytes"
     assert together["grad_vs_average"] <= TOLERANCE, f"TODO 4: .grad is {together['grad_vs_average']:.1e} off"
-    assert together["buckets_reset"], "TODO 4: reset each bucket after unpacking"
+    assert together["buckets_reset"], "TODO 4: after backward some bucket is not empty again (handle, ready set)"
 
 
 MODELS = ["mlp", "frozen", "unused", "tied"]
@@ -236,10 +240,13 @@ def max_difference(a: dict, b: dict) -> float:
 def check_recipe(result, metrics, expected: str):
     assert metrics["world_size"] == 2, f"TODO 5: the run had world size {metrics['world_size']}, not 2"
     assert metrics["global_batch_size"] == 8, (
-        f"TODO 5: global batch = batch per rank x accumulation x ranks = 8, not {metrics['global_batch_size']}"
+        f"TODO 5: global_batch_size is {metrics['global_batch_size']}, expected 8 for this run: the sequences one "
+        "optimizer step sees, all ranks together"
     )
-    assert result.output.count("global batch 8") == 1, "TODO 5: print the recipe once, from rank 0 (print0)"
-    assert expected in result.output, f"TODO 5: the recipe should read '{expected} ...'"
+    printed = result.output.count("global batch 8")
+    assert printed == 1, f"TODO 5: the recipe 'global batch 8 ...' was printed {printed} times, expected once (rank 0)"
+    line = next((line for line in result.output.splitlines() if "global batch" in line), "(no such line)")
+    assert expected in result.output, f"TODO 5: the recipe reads {line!r}, expected it to start '{expected} ...'"
 
 
 def check_todo5(run):
@@ -253,8 +260,8 @@ def check_shard(run, scratch):
     shard = scratch["shard"]
     samples, per_rank = shard["samples"], shard["per_rank"]
     assert shard["read_twice"] == 0, (
-        f"TODO 6: {shard['read_twice']} of {samples} samples go to more than one rank in an epoch: a "
-        "DistributedSampler with num_replicas, rank, and the same seed on every rank"
+        f"TODO 6: {shard['read_twice']} of {samples} samples go to more than one rank in an epoch, expected 0: the "
+        "ranks must split one shuffled order that they all draw alike"
     )
     assert shard["read"] > samples - len(per_rank), (
         f"TODO 6: the ranks read {shard['read']} of the {samples} samples in an epoch ({per_rank} each): each keeps "
@@ -288,20 +295,27 @@ def check_todo7(run):
         metrics = finished(result, 7)
         ddp = passed(result, "--ddp")
         wanted = {"builtin": "DistributedDataParallel", "scratch": "DataParallel"}[ddp]
-        assert metrics["wrapper"] == wanted, f"TODO 7: --ddp {ddp} wrapped the model in {metrics['wrapper']}"
+        assert metrics["wrapper"] == wanted, (
+            f"TODO 7: --ddp {ddp} wrapped the model in {metrics['wrapper']}, expected {wanted}"
+        )
 
 
 def check_todo9(run):
     result, folder = run("accum2")
     metrics = finished(result, 9)
-    assert passed(result, "--grad-accum") == "2" and metrics["grad_accum"] == 2
+    assert passed(result, "--grad-accum") == "2" and metrics["grad_accum"] == 2, (
+        f"TODO 9: the run with --grad-accum 2 recorded grad_accum {metrics['grad_accum']}, expected 2"
+    )
     check_recipe(result, metrics, "8 sequences = 2 per rank x 2")
     difference = max_difference(weights(folder), weights(run("one")[1]))
-    assert difference <= TOLERANCE, f"TODO 9: 2 ranks x 2 micro-batches differ from one process by {difference:.1e}"
+    assert difference <= TOLERANCE, (
+        f"TODO 9: after 4 steps, 2 ranks x 2 micro-batches differ from one process by {difference:.1e}, expected at "
+        "most 1e-6"
+    )
     params = metrics["bytes_per_rank"]["params"]
     assert metrics["allreduce_bytes_per_step"] == params, (
         f"TODO 9: {metrics['allreduce_bytes_per_step']:,.0f} bytes all-reduced per step for {params:,} bytes of "
-        "gradients: the inner micro-steps must not communicate (model.no_sync())"
+        "gradients, expected one all-reduce of them per step: the earlier micro-steps must not communicate"
     )
 
 
@@ -370,7 +384,10 @@ def test_todo7_ddp_wrap_matches_single_process(run, needs, name):
         f"TODO 7: after 4 SGD steps, {name} differs from one process by {difference:.1e} on some parameter "
         "(wrap the model so gradients are averaged across ranks)"
     )
-    assert metrics["param_checksum"] == pytest.approx(one_metrics["param_checksum"], rel=1e-6), "TODO 7"
+    assert metrics["param_checksum"] == pytest.approx(one_metrics["param_checksum"], rel=1e-6), (
+        f"TODO 7: {name}'s parameter checksum {metrics['param_checksum']:.6f} is not one process's "
+        f"{one_metrics['param_checksum']:.6f}"
+    )
 
 
 def test_todo8_set_epoch_reshuffles_every_epoch(lesson, tmp_path, needs):
@@ -383,7 +400,10 @@ def test_todo8_set_epoch_reshuffles_every_epoch(lesson, tmp_path, needs):
     per_epoch = metrics["batches_per_epoch"]
     assert per_epoch == 6, f"TODO 8: 1562 blocks over 2 ranks in batches of 128 make 6 batches, not {per_epoch}"
     first, second = metrics["losses"][:6], metrics["losses"][6:]
-    assert first != second, "TODO 8: epoch 2 repeated epoch 1's batches: call sampler.set_epoch(epoch)"
+    assert first != second, (
+        f"TODO 8: epoch 2's losses {second} are epoch 1's: the same batches in the same order, expected a new "
+        "order every epoch"
+    )
 
 
 def test_todo9_no_sync_accumulation_matches_one_large_batch(run, needs):
@@ -397,13 +417,13 @@ def test_todo10_loss_is_averaged_across_ranks(run, needs, name):
     needs(*{"builtin2": (5, 6, 7, 9), "scratch4": (1, 2, 3, 4, 5, 6, 7, 9)}[name])
     one, ranks = finished(run("one")[0], 10), finished(run(name)[0], 10)
     assert ranks["losses"][0] == pytest.approx(one["losses"][0], rel=1e-6), (
-        f"TODO 10: the first logged loss {ranks['losses'][0]:.6f} should be the global batch's "
-        f"{one['losses'][0]:.6f}: all-reduce the loss with ReduceOp.AVG before logging it"
+        f"TODO 10: the first logged loss is {ranks['losses'][0]:.6f}, expected the global batch's "
+        f"{one['losses'][0]:.6f} (one process's): the mean over ranks of each rank's loss"
     )
     # Later steps match too once the ranks' updates are averaged (TODOs 7 and 9, checked before this one).
     assert ranks["losses"] == pytest.approx(one["losses"], rel=1e-5), (
-        f"TODO 10: the logged losses {ranks['losses']} are not one process's {one['losses']}: log the average "
-        "over ranks of each step's loss"
+        f"TODO 10: the logged losses are {ranks['losses']}, expected one process's {one['losses']}: the mean over "
+        "ranks of each step's loss"
     )
 
 
@@ -413,18 +433,23 @@ def test_todo11_checkpoint_saved_once_and_loads_into_a_plain_model(run, needs, n
     needs(5, 7)
     result, folder = run(name)
     metrics = finished(result, 11)
-    assert result.output.count("saved the model") == 1, "TODO 11: save (and say so) from rank 0 only"
+    saved = result.output.count("saved the model")
+    assert saved == 1, f"TODO 11: 'saved the model' printed {saved} times, expected once: rank 0 alone saves"
     state = torch.load(folder / "model.pt", weights_only=True)
     model = build_model(ModelConfig(**state["config"]), seed=123)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as error:
-        raise AssertionError(f"TODO 11: save model.module's state dict, without the wrapper prefix: {error}") from None
-    assert param_checksum(model) == pytest.approx(metrics["param_checksum"], rel=1e-12), "TODO 11"
+        first = str(error).strip().splitlines()[0]
+        raise AssertionError(f"TODO 11: the file does not load into a plain model: {first}") from None
+    assert param_checksum(model) == pytest.approx(metrics["param_checksum"], rel=1e-12), (
+        f"TODO 11: the saved weights' checksum {param_checksum(model):.6f} is not the run's "
+        f"{metrics['param_checksum']:.6f}"
+    )
     groups = state.get("optimizer", {}).get("param_groups", [])
     assert [group["lr"] for group in groups] == [metrics["lr"]], (
-        f"TODO 11: the checkpoint's optimizer state is {state.get('optimizer')!r}: save optimizer.state_dict() "
-        "with the model, so that training can resume from the file"
+        f"TODO 11: the checkpoint's optimizer state is {state.get('optimizer')!r}, expected the optimizer's state "
+        "dict beside the model's, so that training can resume from the file"
     )
 
 

@@ -13,7 +13,7 @@ and none in the root unit at 2 ranks or in FSDP2's 32-, 108- and 256-row paramet
 both paths run (test_the_model_needs_padding_in_some_buffers_only). Every run has a global batch of 8.
 Expected bytes come from the model and the world size (or, for the bytes on the wire, from the layout the
 strategy reports and that a test checks first), never from the estimate the run computed itself. TODO 8 (the
-debugging lab) is checked by utils/zero_lab.py at 3 ranks, against one process.
+debugging lab) is checked by utils/lesson_03/lab.py at 3 ranks, against one process.
 """
 
 import json
@@ -28,11 +28,11 @@ from tests.harness.launch import ROOT, course_env, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.course.lessons import load_script
 from utils.course.make_exercises import BEGIN, END, EXERCISE, make_exercise
+from utils.lesson_03.lab import failure as lab_failure
 from utils.memory import model_state_bytes, padded_numel, peak_model_state_bytes
 from utils.metrics import param_checksum
 from utils.model import ModelConfig, build_model, count_parameters
 from utils.training import DEFAULT_LR
-from utils.zero_lab import failure as lab_failure
 
 TOLERANCE = 1e-6  # fp32, SGD: sharded and single-process runs differ only by the order of additions
 ADAMW_TOLERANCE = 1e-4  # AdamW divides by sqrt(second moment): rounding differences grow; parameters, absolute
@@ -284,14 +284,15 @@ def test_todo2_zero1_step_matches_one_process(run, edge, ranks):
     n = record["world_size"]
     difference = max_difference(weights(record), weights(one))
     assert difference <= TOLERANCE, (
-        f"TODO 2: after 4 SGD steps ZeRO-1 differs from one process by {difference:.1e}: all-reduce the gradients, "
-        "step your shard, all-gather the updated shards"
+        f"TODO 2: after 4 SGD steps ZeRO-1 differs from one process by {difference:.1e} (expected at most "
+        f"{TOLERANCE:.0e}): each rank should step its slice of the averaged gradient, then all-gather the slices"
     )
     wire, padded = record["wire_bytes_per_step"], zero_padded(record, n)
     reduced = wire["all_reduce"] + wire["reduce_scatter"]  # the lesson's all-reduce (3 Psi) or the paper's (2 Psi)
     assert reduced == 4 * padded and wire["all_gather"] == 4 * padded, (
         f"TODO 2: ZeRO-1 should reduce the padded gradient once ({4 * padded} bytes, by all-reduce or "
-        f"reduce-scatter) and all-gather the parameters once ({4 * padded} bytes) per step, not {wire}"
+        f"reduce-scatter) and all-gather the parameters once ({4 * padded} bytes) per step, through the script's "
+        f"counting collectives; counted {wire}"
     )
 
 
@@ -303,11 +304,15 @@ def test_todo3_zero2_reduce_scatters_each_bucket_during_backward(run, edge, rank
     n = record["world_size"]
     check_layout(record, n, 1, "zero2")
     difference = max_difference(weights(record), weights(one))
-    assert difference <= TOLERANCE, f"TODO 3: after 4 SGD steps ZeRO-2 differs from one process by {difference:.1e}"
+    assert difference <= TOLERANCE, (
+        f"TODO 3: after 4 SGD steps ZeRO-2 differs from one process by {difference:.1e} "
+        f"(expected at most {TOLERANCE:.0e})"
+    )
     padded = zero_padded(record, n)
     wire = record["wire_bytes_per_step"]
     assert wire == {"all_reduce": 0, "all_gather": 4 * padded, "reduce_scatter": 4 * padded}, (
-        f"TODO 3: ZeRO-2 should reduce-scatter the gradients ({4 * padded} bytes) instead of all-reducing them: {wire}"
+        f"TODO 3: ZeRO-2 should reduce-scatter the gradients ({4 * padded} bytes, through the script's counting "
+        f"reduce_scatter) instead of all-reducing them; counted {wire}"
     )
     check_bytes(record, "zero2", "momentum", 3, padded)
     largest = max(b["numel"] for b in record["buckets"])
@@ -329,7 +334,7 @@ def test_todo4_gather_gives_the_parameters_in_the_compute_dtype(edge):
     for dtype in ("fp32", "bf16"):
         expected = "torch.float32" if dtype == "fp32" else "torch.bfloat16"
         assert report[f"{dtype}_dtype"] == expected, (
-            f"TODO 4: with compute dtype {dtype} `full` is {report[f'{dtype}_dtype']}"
+            f"TODO 4: with compute dtype {dtype} the gathered buffer is {report[f'{dtype}_dtype']}, expected {expected}"
         )
         assert report[f"{dtype}_max_difference"] == 0, (
             f"TODO 4: after gather() ({dtype}) the unit's views differ from its parameters by "
@@ -378,7 +383,10 @@ def test_todo5_reduce_gradients_returns_this_ranks_average_and_frees(edge):
             f"TODO 5: reduce_gradients ({dtype}) differs from this rank's slice of the average over ranks by "
             f"{outcome['max_difference']:.1e}: reduce-scatter with the average, in the order of self.shapes"
         )
-        assert outcome["freed"], "TODO 5: reduce_gradients should free the unit's gathered parameters"
+        assert outcome["freed"], (
+            f"TODO 5: after reduce_gradients ({dtype}) the unit's gathered parameters are still allocated; expected "
+            "them freed (backward is done with them)"
+        )
 
 
 def test_todo5_backward_holds_at_most_the_root_and_one_block(edge):
@@ -550,7 +558,7 @@ def test_todo8_lab_every_unit_is_gathered_again_for_backward(lesson, tmp_path):
     """3 ranks, the lab's model (its blocks return dicts) in the course's Zero3 with the script's output_tensors:
     one step's gradient equals one process's. gloo with a 5 s timeout: a rank left waiting ends the lab."""
     out = tmp_path / "lab.json"
-    result = torchrun(ROOT / "utils" / "zero_lab.py", 3, [lesson("03"), "--metrics-out", out], timeout=120)
+    result = torchrun(ROOT / "utils" / "lesson_03" / "lab.py", 3, [lesson("03"), "--metrics-out", out], timeout=120)
     assert out.exists(), f"TODO 8: the lab's ranks ended without a result. Their last lines:\n{result.tail()}"
     message = lab_failure(json.loads(out.read_text())["outcomes"])
     assert message is None, message
@@ -586,12 +594,17 @@ def test_one_process_holds_what_ddp_holds(run, name):
 def test_peak_gradients_fall_only_where_gradients_are_reduced_during_backward(run):
     """DDP and ZeRO-1 hold every full gradient before the reduction; ZeRO-2 its shard and about one bucket."""
     peaks = {name: run.strategy("four", name, TODO[name])["peak_bytes_in_backward"]["grads"] for name in STRATEGIES[:3]}
-    assert peaks["ddp"] == peaks["zero1"] == 4 * PSI > peaks["zero2"], f"TODO 3: {peaks}"
+    assert peaks["ddp"] == peaks["zero1"] == 4 * PSI > peaks["zero2"], (
+        f"TODO 3: the most gradient bytes alive during backward were {peaks}; expected DDP and ZeRO-1 at every full "
+        f"gradient ({4 * PSI:,}) and ZeRO-2 below"
+    )
 
 
 def test_activations_do_not_shrink_with_zero(run):
     activations = {name: run.strategy("four", name, TODO[name])["activation_bytes"] for name in STRATEGIES}
-    assert len(set(activations.values())) == 1 and activations["ddp"] > 0, activations
+    assert len(set(activations.values())) == 1 and activations["ddp"] > 0, (
+        f"activations saved for backward should be the same bytes for every strategy at 4 ranks: {activations}"
+    )
 
 
 def test_hsdp_groups(run):
@@ -602,7 +615,7 @@ def test_hsdp_groups(run):
 
 
 # ------------------------------------------------------------------------------------------------
-# FSDP2's prefetching: utils/zero_prefetch.py, the worker whose timeline the notebook draws
+# FSDP2's prefetching: utils/lesson_03/prefetch.py, the worker whose timeline the notebook draws
 # ------------------------------------------------------------------------------------------------
 
 PREFETCHES = {"none": (False, False), "default": (False, True), "explicit": (True, True)}  # (forward, backward)
@@ -610,7 +623,9 @@ PREFETCHES = {"none": (False, False), "default": (False, True), "explicit": (Tru
 
 @pytest.fixture(scope="module")
 def prefetch(tmp_path_factory):
-    result = torchrun(ROOT / "utils" / "zero_prefetch.py", 2, tmp_path=tmp_path_factory.mktemp("prefetch"), timeout=180)
+    result = torchrun(
+        ROOT / "utils" / "lesson_03" / "prefetch.py", 2, tmp_path=tmp_path_factory.mktemp("prefetch"), timeout=180
+    )
     assert result.returncode == 0 and result.metrics, result.tail()
     return result.metrics
 
@@ -694,8 +709,14 @@ def finished(run, name: str, strategy=None, todo=7) -> dict:
 @pytest.mark.parametrize("resumed,saved", [("dcp2", "dcp4"), ("dcp1", "dcp2"), ("full1", "dcp4")])
 def test_todo7_checkpoint_loads_at_another_world_size_with_identical_state(run, resumed, saved):
     before, after = finished(run, saved), finished(run, resumed)
-    assert after["loaded_param_checksum"] == pytest.approx(before["param_checksum"], rel=1e-12)
-    assert after["loaded_optimizer_checksum"] == pytest.approx(before["optimizer_checksum"], rel=1e-12)
+    assert after["loaded_param_checksum"] == pytest.approx(before["param_checksum"], rel=1e-12), (
+        f"TODO 7: {resumed} loaded parameters with checksum {after['loaded_param_checksum']!r}, {saved} saved "
+        f"{before['param_checksum']!r}"
+    )
+    assert after["loaded_optimizer_checksum"] == pytest.approx(before["optimizer_checksum"], rel=1e-12), (
+        f"TODO 7: {resumed} loaded optimizer state with checksum {after['loaded_optimizer_checksum']!r}, {saved} "
+        f"saved {before['optimizer_checksum']!r}"
+    )
 
 
 @pytest.mark.parametrize("resumed", ["dcp2", "dcp1", "full1"])
@@ -703,8 +724,11 @@ def test_todo7_resume_continues_the_loss_curve(run, resumed):
     metrics = finished(run, resumed)
     reference = run.strategy("adamw", "fsdp", 7)["losses"]  # 8 steps without stopping, 2 ranks
     first = metrics["first_step"]
-    assert first in (5, 7), first
-    assert metrics["losses"] == pytest.approx(reference[first - 1 : first - 1 + metrics["steps"]], rel=1e-4)
+    assert first in (5, 7), f"TODO 7: {resumed} began at step {first}, expected 5 or 7 (after the saved step)"
+    expected = reference[first - 1 : first - 1 + metrics["steps"]]
+    assert metrics["losses"] == pytest.approx(expected, rel=1e-4), (
+        f"TODO 7: {resumed}'s losses {metrics['losses']} do not continue the uninterrupted run's {expected}"
+    )
 
 
 def test_todo7_full_checkpoint_loads_into_a_plain_model(run):
@@ -927,8 +951,9 @@ def exercise_with(tmp_path, done: set) -> Path:
         alternative = next((i for i in range(begin, end) if source[i].strip() == EXERCISE), None)
         code = source[begin + 1 : alternative if alternative is not None else end]
         placeholder = end - alternative - 1 if alternative is not None else 1  # lines the exercise has instead
-        at = next(i for i, line in enumerate(exercise) if line.strip().startswith(f"# TODO {number}:"))
-        at += begin - header  # the TODO's comment lines come first, as in the solution
+        at = next(i for i, line in enumerate(exercise) if line.strip().startswith(f"# TODO {number}:")) + 1
+        while exercise[at].strip().startswith("#   "):  # the comment's own lines come first (its hints do not)
+            at += 1
         exercise[at : at + placeholder] = code
     path = tmp_path / "exercises" / solution.name
     path.parent.mkdir(exist_ok=True)

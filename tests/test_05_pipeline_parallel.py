@@ -8,7 +8,7 @@ The reference is never the learner's own code: the schedules, the bubble and the
 in pure Python against their definitions; one micro-batch's forward (TODO 5) and backward (TODO 6) against the
 whole model in this process; the runs against lesson 00's solution on one process (the same batches, the same
 seed); the debugging lab (TODO 8) in pure Python, then on live ranks with the solution's engine
-(utils/pipeline_lab.py). A test that needs earlier TODOs is skipped, naming them, until their own tests pass, so
+(utils/lesson_05/lab.py). A test that needs earlier TODOs is skipped, naming them, until their own tests pass, so
 `make check` blames only the TODO at fault. Timings are noisy on a shared CPU: no test asserts on one.
 """
 
@@ -26,10 +26,10 @@ from tests.harness.launch import ROOT, course_env, finished, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
+from utils.lesson_05.lab import HINT, check_warmups, failure
+from utils.lesson_05.plumbing import cost_aware_partition, forward_flops_per_token, simulate_order, stage_costs
+from utils.lesson_05.timing import SWEEP_MICROBATCHES, measured_bubble, rendezvous_completes
 from utils.model import ModelConfig, build_model, flops_per_token, loss_fn
-from utils.pipeline_lab import HINT, check_warmups, failure
-from utils.pipeline_plumbing import cost_aware_partition, forward_flops_per_token, simulate_order, stage_costs
-from utils.pipeline_timing import SWEEP_MICROBATCHES, measured_bubble, rendezvous_completes
 
 TOLERANCE = 1e-6  # fp32, SGD: stages and one process differ only by the order of additions
 COMMON = [
@@ -114,43 +114,71 @@ def max_difference(a: dict, b: dict) -> float:
 def check_todo1(script):
     for n_layers in range(1, 13):
         for n_stages in range(1, n_layers + 1):
-            ranges = call(1, script.partition, n_layers, n_stages)
+            ranges = [tuple(piece) for piece in call(1, script.partition, n_layers, n_stages)]  # any pairs
             sizes = [end - start for start, end in ranges]
+            where = f"TODO 1: partition({n_layers}, {n_stages}) returned {ranges}"
             assert len(ranges) == n_stages and ranges[0][0] == 0 and ranges[-1][1] == n_layers, (
-                f"TODO 1: partition({n_layers}, {n_stages}) = {ranges} must cover blocks 0..{n_layers - 1}"
+                f"{where}: expected {n_stages} ranges covering blocks 0 to {n_layers - 1}, from (0, ...) to (..., "
+                f"{n_layers})"
             )
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), f"TODO 1: {ranges} is not contiguous"
-            assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1, f"TODO 1: {ranges} is not balanced"
+            gaps = [(a, b) for a, b in zip(ranges, ranges[1:]) if a[1] != b[0]]
+            assert not gaps, f"{where}: not contiguous, {gaps[0][0]} is followed by {gaps[0][1]}"
+            assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1, (
+                f"{where}: sizes {sizes}, expected every stage at least one block and no two differing by more than one"
+            )
 
 
 def check_todo2(script):
-    assert call(2, script.gpipe_steps, 3, 2, 1) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)], (
-        "TODO 2: GPipe is every forward, then every backward, micro-batches in order"
+    expected = [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    got = steps_of(2, script.gpipe_steps, 3, 2, 1)
+    assert got == expected, (
+        f"TODO 2: gpipe_steps(p=3, m=2, rank=1) returned {got}, expected {expected}: every forward, then every "
+        "backward, micro-batches in order"
     )
     for p in range(1, 7):
         for m in range(1, 10):
+            for rank in range(p):
+                got = steps_of(2, script.gpipe_steps, p, m, rank)
+                expected = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+                assert got == expected, f"TODO 2: gpipe_steps(p={p}, m={m}, rank={rank}) returned {got}, not {expected}"
             _, bubble = script.simulate("gpipe", p, m)
             assert bubble == Fraction(p - 1, m + p - 1), f"TODO 2: GPipe p={p} m={m}: idle {bubble} != (p-1)/(m+p-1)"
-            assert all(script.in_flight(script.gpipe_steps(p, m, r)) == m for r in range(p))
 
 
 def check_todo3(script):
     for p in range(1, 7):
         for m in range(1, 10):
             for rank in range(p):
-                steps = call(3, script.one_f_one_b_steps, p, m, rank)
+                steps = steps_of(3, script.one_f_one_b_steps, p, m, rank)
+                where = f"TODO 3: one_f_one_b_steps(p={p}, m={m}, rank={rank}) returned {steps}"
                 assert sorted(steps) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]), (
-                    f"TODO 3: p={p} m={m} rank {rank}: every micro-batch needs one F and one B, got {steps}"
+                    f"{where}: expected one F and one B for each of the {m} micro-batches"
                 )
-                assert [mb for kind, mb in steps if kind == "F"] == list(range(m)), "TODO 3: forwards in order"
-                assert all(steps.index(("F", i)) < steps.index(("B", i)) for i in range(m)), "TODO 3: F before B"
+                forwards = [mb for kind, mb in steps if kind == "F"]
+                assert forwards == list(range(m)), f"{where}: forwards in the order {forwards}, expected 0 to {m - 1}"
+                late = [i for i in range(m) if steps.index(("B", i)) < steps.index(("F", i))]
+                assert not late, f"{where}: B{late[0]} runs before F{late[0]}"
                 warmup = next((i for i, (kind, _) in enumerate(steps) if kind == "B"), len(steps))
                 assert warmup == min(p - rank, m), (
-                    f"TODO 3: p={p} m={m} rank {rank}: {min(p - rank - 1, m)} warm-up forwards, then F B: {steps}"
+                    f"{where}: {warmup} forwards before the first backward, expected {min(p - rank, m)} "
+                    f"({min(p - rank - 1, m)} warm-up forwards, then one F and one B)"
                 )
-                assert script.in_flight(steps) == min(p - rank, m), f"TODO 3: rank {rank} holds too many: {steps}"
+                held = script.in_flight(steps)
+                assert held == min(p - rank, m), (
+                    f"{where}: holds up to {held} micro-batches, expected at most {min(p - rank, m)}: the oldest "
+                    "backward as soon as it can run"
+                )
             _, bubble = script.simulate("1f1b", p, m)
             assert bubble == Fraction(p - 1, m + p - 1), f"TODO 3: 1F1B p={p} m={m}: idle {bubble} != (p-1)/(m+p-1)"
+
+
+def steps_of(todo: int, function, *args) -> list:
+    """A step list as a list of (kind, micro-batch) tuples, whatever sequences the learner built it from."""
+    steps = call(todo, function, *args)
+    try:
+        return [tuple(step) for step in steps]
+    except TypeError:
+        pytest.fail(f"TODO {todo}: {function.__name__} returned {steps!r}, not a list of steps", pytrace=False)
 
 
 def reference_step_lists(p: int, m: int, schedule: str, rank: int):
@@ -222,14 +250,18 @@ def check_todo5(script):
     model, first, last, tokens, targets = two_stages(script)
     for mb in range(M):
         x, activation = call(5, script.forward_step, first, tokens[mb], None, M)
-        assert torch.equal(x, tokens[mb]), "TODO 5: the first stage's input is the micro-batch's tokens"
-        assert torch.allclose(activation, first(tokens[mb]), atol=1e-6), "TODO 5: the first stage's output"
+        assert torch.equal(x, tokens[mb]), f"TODO 5: the first stage returned the input {x}, not the tokens"
+        difference = float((activation - first(tokens[mb])).abs().max())
+        assert difference <= 1e-6, f"TODO 5: the first stage's output differs from the stage's by {difference:.1e}"
         received = activation.detach().clone()
         x, loss = call(5, script.forward_step, last, received, targets[mb], M)
-        assert x is received and x.requires_grad and x.is_leaf, (
-            "TODO 5: make the received activation a leaf that requires grad (x.requires_grad_()), else its gradient "
-            "never reaches the previous stage"
+        assert isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf and torch.equal(x, received), (
+            "TODO 5: the last stage returned an input that is not the received activation as a leaf requiring grad "
+            f"(requires_grad={getattr(x, 'requires_grad', None)}, is_leaf={getattr(x, 'is_leaf', None)}): its "
+            "gradient would never reach the previous stage"
         )
+        (through,) = torch.autograd.grad(loss, x, retain_graph=True, allow_unused=True)
+        assert through is not None, "TODO 5: the loss returned does not depend on the input returned (no gradient)"
         whole = float(loss_fn(model(tokens[mb]), targets[mb]).detach())
         assert loss.dim() == 0 and float(loss.detach()) == pytest.approx(whole / M, rel=1e-5), (
             f"TODO 5: the last stage returns the micro-batch's loss divided by the number of micro-batches: got "
@@ -332,7 +364,7 @@ def test_measured_bubble_is_none_when_nothing_was_recorded():
 
 
 def test_simulate_order_gives_the_formulas_and_a_split_backward_idles_less():
-    """The ideal-machine simulator of built-in orders (utils.pipeline_plumbing), against definitions and by hand."""
+    """The ideal-machine simulator of built-in orders (utils.lesson_05.plumbing), against definitions and by hand."""
     unit = {"F": 1, "B": 2, "I": 1, "W": 1}
     for p in range(1, 6):
         for m in range(1, 9):
@@ -507,7 +539,9 @@ def test_todo6_activation_memory_gpipe_grows_with_m_1f1b_bounded_by_p(run, needs
     for name, metrics in runs.items():
         p, m = metrics["world_size"], metrics["microbatches"]
         expected = [m if metrics["schedule"] == "gpipe" else min(p - r, m) for r in range(p)]
-        assert metrics["in_flight_per_rank"] == expected, f"{name}: in flight {metrics['in_flight_per_rank']}"
+        assert metrics["in_flight_per_rank"] == expected, (
+            f"TODO 6: {name}: micro-batches in flight per rank {metrics['in_flight_per_rank']}, expected {expected}"
+        )
         assert metrics["peak_activation_bytes_per_rank"] == metrics["predicted_activation_bytes_per_rank"], (
             f"TODO 6: {name}: measured peak {metrics['peak_activation_bytes_per_rank']} != in flight x one micro-batch "
             f"{metrics['predicted_activation_bytes_per_rank']} (a micro-batch's graph must be freed by its backward)"
@@ -573,7 +607,7 @@ def test_untouched_exercise_stops_at_todo1(tmp_path):
 
 def test_bubble_sweep_fixes_the_micro_batch_and_records_its_conditions(tmp_path):
     """--bubble-sweep's plumbing with a stand-in for train(): the batch grows with m, the file says where and how."""
-    from utils.pipeline_timing import bubble_sweep
+    from utils.lesson_05.timing import bubble_sweep
 
     asked = []
 
@@ -680,7 +714,7 @@ def test_bubble_sweep_runs_both_schedules_at_every_m_and_writes_the_file(lesson,
 # TODO 8: the debugging lab (a schedule that deadlocks), graded like lesson 01's labs
 # ---------------------------------------------------------------------------------------------------------------
 
-LAB = ROOT / "utils" / "pipeline_lab.py"
+LAB = ROOT / "utils" / "lesson_05" / "lab.py"
 
 
 def test_todo8_lab_capped_warm_ups_do_not_deadlock(script, lesson, tmp_path):

@@ -22,10 +22,11 @@ import torch
 
 from tests.harness.launch import ROOT, course_env, finished, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext
-from utils import lesson06_timeline, planner
+from utils import planner
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
-from utils.grid import reference_gradient_norms
+from utils.lesson_06 import timeline as lesson06_timeline
+from utils.lesson_06.reference import reference_gradient_norms
 from utils.model import ModelConfig
 
 TOLERANCE = 1e-6  # fp32, SGD: the layouts and one process differ only by the order of additions
@@ -52,7 +53,7 @@ RUNS = {  # name: (processes, arguments); (pp, dp, tp) in the name
     "builtin_122_1f1b": (4, ["--tp", "2", "--pp", "1", "--batch-size", "4", "--impl", "builtin"]),  # one stage
     "builtin_212_1f1b": (4, ["--tp", "2", "--pp", "2", "--batch-size", "8", "--impl", "builtin"]),  # FSDP over 1 rank
 }  # fmt: skip
-TIMELINE_RUN = "scratch_222_1f1b"  # also writes its last step's timeline (utils/lesson06_timeline.py)
+TIMELINE_RUN = "scratch_222_1f1b"  # also writes its last step's timeline (utils/lesson_06/timeline.py)
 SCRATCH = [name for name in RUNS if name.startswith("scratch")]
 BUILTIN = [name for name in RUNS if name.startswith("builtin")]
 ENV = course_env(PYTHONPATH=ROOT)  # `import utils` also for a script in another folder (--target-dir)
@@ -162,22 +163,28 @@ def check_todo1(script):
             got = call(1, script.coordinates, rank, layout)
             want = reference_coordinates(rank, pp, dp, tp)
             assert got == want, f"TODO 1: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank} is at {want}, got {got}"
-    # 2 nodes x 4 GPUs at pp = dp = tp = 2: a node's ranks are one stage; its TP pairs are consecutive ranks.
-    two_nodes = script.Layout(pp=2, dp=2, tp=2)
-    for rank in range(8):
-        assert script.coordinates(rank, two_nodes)["pp"] == rank // 4, "TODO 1: PP is the outermost dimension"
+
+
+def as_lists(groups) -> list:
+    """Groups as lists of ranks, whatever sequences hold them (a tuple of ranks is a group as good as a list)."""
+    try:
+        return [list(group) for group in groups]
+    except TypeError:
+        return groups  # not groups at all: shown as it is in the failure
 
 
 def check_todo2(script):
     for pp, dp, tp in SHAPES:
         layout = script.Layout(pp=pp, dp=dp, tp=tp)
         for dim in ("pp", "dp", "tp"):
-            got = call(2, script.group_members, layout, dim)
+            got = as_lists(call(2, script.group_members, layout, dim))
             want = reference_groups(pp, dp, tp, dim)
             assert got == want, f"TODO 2: (pp, dp, tp) = {(pp, dp, tp)}: the {dim} groups are {want}, got {got}"
 
 
 def check_todo3(script):
+    """Every rank keeps its own group and that group's handle in each dimension, and every rank creates every group
+    of every dimension once, all in the same order (any order, and any sequence type for the ranks)."""
     for pp, dp, tp in SHAPES:
         layout = script.Layout(pp=pp, dp=dp, tp=tp)
         calls = {}
@@ -186,37 +193,65 @@ def check_todo3(script):
 
             def new_group(ranks, asked=asked):
                 asked.append(list(ranks))
-                return f"group {list(ranks)}"
+                return ("handle of group", *ranks)
 
             grid = call(3, script.build_grid, rank, layout, new_group)
             calls[rank] = asked
             for dim in ("pp", "dp", "tp"):
                 members = grid.members.get(dim)
-                assert members is not None and rank in members, (
-                    f"TODO 3: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank} keeps {members} as its {dim} group"
+                want = next(group for group in reference_groups(pp, dp, tp, dim) if rank in group)
+                assert members is not None and list(members) == want, (
+                    f"TODO 3: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank}'s {dim} group is {want}, it keeps {members}"
                 )
-                assert grid.groups[dim] == f"group {members}", (
-                    f"TODO 3: rank {rank} keeps the handle of another group than {members} as its {dim} group"
+                handle = grid.groups.get(dim)
+                assert handle == ("handle of group", *want), (
+                    f"TODO 3: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank} keeps as its {dim} group the handle "
+                    f"new_group returned for {list(handle[1:]) if isinstance(handle, tuple) else handle}, not {want}'s"
                 )
-        expected = [g for dim in ("pp", "dp", "tp") for g in reference_groups(pp, dp, tp, dim)]
+        expected = sorted(g for dim in ("pp", "dp", "tp") for g in reference_groups(pp, dp, tp, dim))
         for rank, asked in calls.items():
-            assert asked == expected, (
-                f"TODO 3: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank} creates {asked}, but every rank must create "
-                f"every group, in the same order ({expected}): creating a group is a collective of the whole world"
+            assert asked == calls[0], (
+                f"TODO 3: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank} creates {asked}, rank 0 {calls[0]}: every rank "
+                "must create the same groups in the same order (creating a group is a collective of the whole world)"
             )
+        assert sorted(calls[0]) == expected, (
+            f"TODO 3: (pp, dp, tp) = {(pp, dp, tp)}: the ranks create {calls[0]}, not every group of every dimension "
+            f"once ({expected}, in any order)"
+        )
 
 
 def check_todo4(script):
+    """Each replica reads its own 3 of the batch's sequences, whole, the same on every rank of the replica, and the
+    replicas' shares cover the batch once (a contiguous cut, a strided one: any split trains the same)."""
     for pp, dp, tp in SHAPES:
-        batch = torch.arange(dp * 3 * 5).reshape(dp * 3, 5)  # 3 sequences of 5 tokens per replica
+        batch = torch.arange(dp * 3 * 5).reshape(dp * 3, 5)  # 3 sequences of 5 tokens per replica: row i = 5i...
+        shares = {}  # replica -> (the sequences it reads, the rank that read them first)
         for rank in range(pp * dp * tp):
             grid = reference_grid(script, rank, pp, dp, tp)
             got = call(4, script.replica_batch, batch, grid)
             d = grid.coords["dp"]
-            assert torch.equal(got, batch[3 * d : 3 * (d + 1)]), (
-                f"TODO 4: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank} (replica {d}) should read sequences "
-                f"{3 * d}..{3 * d + 2} of the global batch, got {got[:, 0].tolist()} (first tokens)"
+            where = f"TODO 4: (pp, dp, tp) = {(pp, dp, tp)}: rank {rank} (replica {d})"
+            assert isinstance(got, torch.Tensor) and got.shape == (3, 5), (
+                f"{where} should read 3 of the {dp * 3} sequences (shape [3, 5]), got "
+                f"{list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}"
             )
+            rows = got[:, 0].div(5, rounding_mode="floor")
+            assert torch.equal(got, batch[rows]), (
+                f"{where} should read whole sequences of the batch, got {got.tolist()}"
+            )
+            assert torch.equal(script.replica_batch(batch, grid), got), (
+                f"{where} reads other sequences when asked again"
+            )
+            first = shares.setdefault(d, (rows.tolist(), rank))
+            assert rows.tolist() == first[0], (
+                f"{where} reads sequences {rows.tolist()}, but rank {first[1]} of the same replica reads {first[0]}: "
+                "every stage and TP shard of a replica must read the same sequences"
+            )
+        read = sorted(row for rows, _ in shares.values() for row in rows)
+        assert read == list(range(dp * 3)), (
+            f"TODO 4: (pp, dp, tp) = {(pp, dp, tp)}: the {dp} replicas together read sequences {read}, not each of the "
+            f"{dp * 3} once: {dict((d, rows) for d, (rows, _) in sorted(shares.items()))}"
+        )
 
 
 def check_todo5(script):
@@ -344,8 +379,13 @@ def check_parity(todo: int, name: str, run, baseline):
         f"TODO {todo}: after 3 SGD steps, {name} differs from lesson 00 on one process by {difference:.1e} on some "
         "parameter"
     )
-    assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5), f"TODO {todo}: {metrics['losses']}"
-    assert metrics["param_checksum"] == pytest.approx(reference["param_checksum"], rel=1e-9), f"TODO {todo}: checksum"
+    assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5), (
+        f"TODO {todo}: {name}'s losses are {metrics['losses']}, lesson 00's on one process {reference['losses']}"
+    )
+    assert metrics["param_checksum"] == pytest.approx(reference["param_checksum"], rel=1e-9), (
+        f"TODO {todo}: {name}'s parameter checksum is {metrics['param_checksum']!r}, lesson 00's "
+        f"{reference['param_checksum']!r}"
+    )
     return metrics
 
 
@@ -356,7 +396,8 @@ def test_todo6_scratch_3d_matches_lesson_00(run, baseline, needs, script, lesson
 
 
 def fsdp_units(metrics, stage: int) -> int:
-    """The FSDP2 modules of a stage's ranks: each block of the stage, and the stage itself (the root)."""
+    """The FSDP2 units a stage's ranks have at least: each block of the stage, and the stage itself (the root).
+    More are as correct (e.g. the embeddings in a unit of their own)."""
     first, end = metrics["partition"][stage]
     return end - first + 1
 
@@ -367,10 +408,12 @@ def test_todo7_builtin_3d_matches_lesson_00(run, baseline, needs, name):
     metrics = check_parity(7, name, run, baseline)
     layout = metrics["layout"]
     stages = metrics["partition"]
-    # Every rank wraps each block of its stage, then the stage: FSDP's unit is a block, as in lesson 03.
-    blocks_of_rank0 = [f"blocks.{i}" for i in range(*stages[0])]
-    assert sorted(metrics["fsdp_modules"]) == sorted(["", *blocks_of_rank0]), (
-        f"TODO 7: rank 0's FSDP modules are {metrics['fsdp_modules']}: fully_shard each block, then the stage"
+    # Every rank wraps each block of its stage, then the stage ("" is the stage itself): FSDP's unit is at most a
+    # block, as in lesson 03. More units (the embeddings in one of their own) are as correct.
+    wanted = {"": "the stage", **{f"blocks.{i}": f"blocks.{i}" for i in range(*stages[0])}}  # module: its words
+    missing = [words for module, words in wanted.items() if module not in metrics["fsdp_modules"]]
+    assert not missing, (
+        f"TODO 7: {name}: rank 0's FSDP2 units are {metrics['fsdp_modules']}, none for {', '.join(missing)}"
     )
     placements = metrics["placements"][f"blocks.{stages[0][0]}.attention.q_proj.weight"]
     assert "tp: S(0)" in placements or layout["tp"] == 1, f"TODO 7: q_proj is not sharded over tp: {placements}"
@@ -387,19 +430,25 @@ def test_todo7_fsdp_under_a_pipeline_gathers_each_block_once_a_step(run, needs, 
     metrics = finished(run(name)[0], 7)
     pp, dp, microbatches = metrics["layout"]["pp"], metrics["layout"]["dp"], metrics["microbatches"]
     for rank, (place, seen) in enumerate(zip(metrics["coordinates"], metrics["collectives_last_step"])):
-        units = fsdp_units(metrics, place["pp"]) if dp > 1 else 0  # FSDP2 over one rank communicates nothing
         gathers, scatters = (seen.get(kind, [0])[0] for kind in ("all_gather", "reduce_scatter"))
-        assert scatters == units, f"{name} rank {rank}: {scatters} reduce-scatters in a step for {units} FSDP units"
+        if dp == 1:  # FSDP2 over one rank communicates nothing
+            assert gathers == scatters == 0, f"TODO 7: {name} rank {rank}: {gathers} all-gathers over a DP of 1"
+            continue
+        units = fsdp_units(metrics, place["pp"])  # each unit reduce-scatters its gradients once a step
+        assert scatters >= units, (
+            f"TODO 7: {name} rank {rank}: {scatters} reduce-scatters in a step, expected one for each of at least "
+            f"{units} FSDP units (each block of its stage, and the stage)"
+        )
         if pp > 1:
-            assert gathers == units, (
+            assert gathers == scatters, (
                 f"TODO 7: {name} rank {rank} ran {gathers} all-gathers in one step of {microbatches} micro-batches "
-                f"for its {units} FSDP units: under a pipeline (--pp {pp}) each block must keep its parameters "
-                "after forward (fully_shard(..., reshard_after_forward=False)), gathered once a step"
+                f"for its {scatters} FSDP units: under a pipeline (--pp {pp}) each unit must keep its parameters "
+                "from forward to backward (fully_shard(..., reshard_after_forward=False)), gathered once a step"
             )
         else:
-            assert gathers > units, (
-                f"TODO 7: {name} rank {rank} gathered its {units} FSDP units only once in a step with one pipeline "
-                "stage: there the blocks reshard after forward (reshard_after_forward=True) to free their memory"
+            assert gathers > scatters, (
+                f"TODO 7: {name} rank {rank} gathered its {scatters} FSDP units only once in a step with one "
+                "pipeline stage: there the blocks reshard after forward (reshard_after_forward=True) to free memory"
             )
 
 
@@ -439,7 +488,8 @@ def test_timeline_of_one_step_shows_where_each_dimension_communicates(run, needs
         peers = {peer for event in pp for peer in event["sends"] + event["receives"]}
         assert peers == {rank["rank"] + (4 if stage == 0 else -4)}, f"rank {rank['rank']} exchanged with {peers}"
         last_backward = max(event["end"] for event in compute if event["kind"] == "B")
-        assert len(dp) == 1 and dp[0]["start"] >= last_backward, f"rank {rank['rank']}: DP all-reduces {dp}"
+        # One all-reduce (the solution's flat buffer) or one per gradient: all after the last backward.
+        assert dp and all(event["start"] >= last_backward for event in dp), f"rank {rank['rank']}: DP all-reduces {dp}"
     figure = lesson06_timeline.draw(timeline, "a (2, 2, 2) step")
     ax = figure.axes[0]
     texts = [ax.title, ax.xaxis.label, *ax.get_yticklabels(), *ax.get_legend().get_texts()]
@@ -539,7 +589,7 @@ def test_model_state_bytes_are_the_planners(run, needs, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_activation_bytes_are_the_planners(run, needs, name):
     """What each rank saved for backward in one micro-batch's forward (saved_tensors_hooks, each byte of memory
-    once: utils.grid.SavedActivations) equals utils/planner.py's prediction for its stage, to the byte.
+    once: utils.memory.ActivationFootprint) equals utils/planner.py's prediction for its stage, to the byte.
 
     The prediction is Korthikanti et al.'s Table 2 per layer and section 4.3 per stage, restated for this model:
     fp32 values (4 bytes), no dropout, the head not split over tp, no recomputation and a fused attention kernel

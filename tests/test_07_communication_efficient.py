@@ -135,7 +135,9 @@ def synchronous(metrics, todo):
 
 def test_todo1_allreduce_hook_averages_every_gradient_once(run):
     metrics = finished(run, "none", 1)
-    assert sum(metrics["bucket_sizes"]) == P, "the hook should have seen every gradient in some bucket"
+    assert sum(metrics["bucket_sizes"]) == P, (
+        f"TODO 1: the hook saw buckets of {sum(metrics['bucket_sizes']):,} gradients in all, the model has {P:,}"
+    )
     expected = all_reduce_bytes(4 * P, 2)
     assert metrics["bytes_sent"] == [expected] * STEPS, (
         f"TODO 1: one all-reduce of the {4 * P:,}-byte bucket per step sends {expected:,.0f} bytes per rank, "
@@ -148,7 +150,9 @@ def test_todo1_allreduce_hook_averages_every_gradient_once(run):
         f"TODO 1: 2 ranks x 4 sequences differ from 1 process x 8 by {difference:.1e} after {STEPS} SGD steps: "
         "the hook must return the average (divide the sum by the group size), not the sum"
     )
-    assert metrics["losses"] == pytest.approx(one["losses"], rel=1e-5), "TODO 1"
+    assert metrics["losses"] == pytest.approx(one["losses"], rel=1e-5), (
+        f"TODO 1: 2 ranks' losses {metrics['losses']} differ from 1 process's {one['losses']}"
+    )
 
 
 class FakeBucket:
@@ -218,10 +222,11 @@ class FailedWork:
 
 def check_failure_raises(monkeypatch, todo, hook, state):
     monkeypatch.setattr(dist, "all_gather_single", lambda *args, **kwargs: FailedWork())
-    future = hook(state, FakeBucket(torch.tensor([1.0, -2.0, 3.0, 0.5])))
-    advice = "Wait on the collectives' futures in decode (torch.futures.wait_all(...)) so that their errors reach DDP"
-    try:
-        result = future.wait()
+    advice = (
+        "Wait on the collectives' Futures before decoding (e.g. torch.futures.wait_all): their errors must reach DDP"
+    )
+    try:  # the error may come from the Future the hook returns, or from the hook itself if it waits inside
+        result = hook(state, FakeBucket(torch.tensor([1.0, -2.0, 3.0, 0.5]))).wait()
     except RuntimeError as error:
         if "the link went down" in str(error):
             return  # the collective's own error reached the caller
@@ -339,8 +344,12 @@ def test_todo3_stochastic_rounding_is_unbiased(lesson07):
         codes, scale = lesson07.quantize(x, bits, generator)
         levels = 2 ** (bits - 1) - 1
         assert codes.dtype == torch.int8, f"TODO 3: {bits}-bit codes travel as int8, not {codes.dtype}"
-        assert int(codes.abs().max()) <= levels, f"TODO 3: {bits}-bit codes lie in [-{levels}, {levels}]"
-        assert float(scale) == pytest.approx(float(x.abs().max()) / levels, rel=1e-6), "TODO 3: scale = max|x| / L"
+        assert int(codes.abs().max()) <= levels, (
+            f"TODO 3: {bits}-bit codes lie in [-{levels}, {levels}], got up to {int(codes.abs().max())}"
+        )
+        assert float(scale) == pytest.approx(float(x.abs().max()) / levels, rel=1e-6), (
+            f"TODO 3: {bits} bits: scale {float(scale):.4g}, expected max|x| / L = {float(x.abs().max()) / levels:.4g}"
+        )
         total = torch.zeros_like(x, dtype=torch.float64)  # summed in float64: no rounding error of its own
         for _ in range(draws):
             total += lesson07.dequantize(*lesson07.quantize(x, bits, generator)).double()
@@ -357,7 +366,7 @@ def test_todo3_stochastic_rounding_is_unbiased(lesson07):
         nearest = (x / scale).round() * scale
         assert float(((nearest - x).abs() - 6 * standard_error).max()) > 1e-6
     same, one = lesson07.quantize(x, 32, generator)
-    assert torch.equal(lesson07.dequantize(same, one), x), "32 bits: the tensor itself, nothing rounded"
+    assert torch.equal(lesson07.dequantize(same, one), x), "TODO 3: 32 bits must give the tensor itself, not rounded"
 
 
 def test_todo4_decodes_every_rank_with_its_own_scale_for_every_bits(in_ddp, todo3_done):
@@ -435,7 +444,9 @@ def test_todo5_local_sgd_averages_every_h_steps(run):
     assert all(s == 0.0 for s, avg in zip(spread, averaging) if avg), (
         f"TODO 5: right after an average every rank holds the same parameters: {spread}"
     )
-    assert any(s > 0.0 for s, avg in zip(spread, averaging) if not avg), "between averages the ranks drift apart"
+    assert any(s > 0.0 for s, avg in zip(spread, averaging) if not avg), (
+        f"TODO 5: between averages the ranks should drift apart, but every spread is 0: {spread}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -180,16 +180,30 @@ def test_todo1_checkpoint_holds_model_optimizer_rng_and_position(module):
     progress = module.Progress(step=2, epoch=1, offset=16, losses=[5.5, 5.4])
     sharded, per_rank, shared = call(1, module.checkpoint_state, model, optimizer, scheduler, progress)
     assert set(sharded) >= {"model", "optimizer"}, f"TODO 1: the DCP part needs model and optimizer, has {set(sharded)}"
-    assert set(sharded["model"]) == set(model.state_dict()), "TODO 1: the model's whole state dict (get_state_dict)"
+    keys, expected = set(sharded["model"]), set(model.state_dict())
+    assert keys == expected, (
+        f"TODO 1: sharded['model'] should hold the model's {len(expected)} tensors by name; missing "
+        f"{sorted(expected - keys)[:3]}, extra {sorted(keys - expected)[:3]}"
+    )
     moments = [s for s in sharded["optimizer"].get("state", {}).values() if "exp_avg_sq" in s]
-    assert moments, "TODO 1: the optimizer state must hold AdamW's moments (exp_avg, exp_avg_sq), not only its settings"
+    assert moments, (
+        "TODO 1: sharded['optimizer'] holds no AdamW moments (exp_avg, exp_avg_sq), only "
+        f"{sorted(sharded['optimizer'])}: the optimizer's state, not only its settings"
+    )
     rng = per_rank.get("rng", {}).get("torch")
-    assert rng is not None and torch.equal(rng, torch.get_rng_state()), "TODO 1: per_rank['rng']['torch'] = this rank's"
+    assert rng is not None and torch.equal(rng, torch.get_rng_state()), (
+        f"TODO 1: per_rank['rng']['torch'] should be this rank's CPU generator state, got {type(rng).__name__}"
+    )
     for key, value in {"step": 2, "epoch": 1, "offset": 16, "losses": [5.5, 5.4]}.items():
         assert shared.get(key) == value, f"TODO 1: shared[{key!r}] should be {value!r}, not {shared.get(key)!r}"
-    assert shared.get("scheduler", {}).get("last_epoch") == 2, "TODO 1: shared['scheduler'] = scheduler.state_dict()"
+    saved = shared.get("scheduler")
+    assert isinstance(saved, dict) and saved.get("last_epoch") == 2, (
+        f"TODO 1: shared['scheduler'] should be the schedule's state dict at step 2, got {saved!r}"
+    )
     progress.losses.append(5.3)
-    assert shared["losses"] == [5.5, 5.4], "TODO 1: save a copy of the losses (the run keeps appending to its list)"
+    assert shared["losses"] == [5.5, 5.4], (
+        f"TODO 1: the saved losses changed to {shared['losses']} when the run appended one: save a copy"
+    )
 
 
 def record_file_operations(monkeypatch) -> list:
@@ -348,14 +362,26 @@ def test_todo4_restore_puts_back_weights_schedule_position_and_rng(module, tmp_p
     progress = module.Progress()
     torch.manual_seed(999)
     call(4, module.restore, folder, fresh, fresh_optimizer, fresh_scheduler, progress, 0)
-    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters())), "the weights (DCP load)"
-    assert torch.equal(torch.rand(4), expected_draw), "TODO 4: restore this rank's RNG state (torch.set_rng_state)"
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters())), (
+        "restore: the weights differ after the DCP load (the code before TODO 4)"
+    )
+    draw = torch.rand(4)
+    assert torch.equal(draw, expected_draw), (
+        f"TODO 4: after restore the generator drew {draw.tolist()}, the saved state draws {expected_draw.tolist()}: "
+        "this rank's RNG state was not put back"
+    )
     assert (progress.step, progress.epoch, progress.offset) == (3, 2, 24), (
         f"TODO 4: progress should be step 3, epoch 2, offset 24, not {progress}"
     )
-    assert progress.losses == [3.0, 2.0, 1.0], "TODO 4: the losses so far come back too"
-    assert fresh_scheduler.last_epoch == 3, "TODO 4: scheduler.load_state_dict(meta['scheduler'])"
-    assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr(), "TODO 4: the learning rate of step 3"
+    assert progress.losses == [3.0, 2.0, 1.0], (
+        f"TODO 4: the losses so far should be [3.0, 2.0, 1.0], not {progress.losses}"
+    )
+    assert fresh_scheduler.last_epoch == 3, (
+        f"TODO 4: the LR schedule is at step {fresh_scheduler.last_epoch} after restore, the checkpoint's at 3"
+    )
+    assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr(), (
+        f"TODO 4: learning rate {fresh_scheduler.get_last_lr()} after restore, {scheduler.get_last_lr()} saved"
+    )
 
 
 def test_data_position_resumes_the_same_batches(module):

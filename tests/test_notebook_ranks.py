@@ -3,6 +3,8 @@
 Each test starts its own ranks, so these take a while on a busy 2-core machine (about 10 s each when idle).
 """
 
+import json
+import os
 import time
 
 import psutil
@@ -135,3 +137,83 @@ def test_lab_ranks_use_gloo_even_with_gpus_grade_each_case_and_recover(tmp_path)
         assert passed, lines
     finally:
         ranks.stop()
+
+
+# What ipyparallel prints when engines it watches are stopped: each engine's log and the launcher's complaints.
+NOISE = ("received signal 15", "Event loop stopped before Future completed", "not running", "Traceback", "Output for")
+
+
+@pytest.mark.skipif(0 < GPUS < 2, reason="2 ranks need 2 GPUs with NCCL; hide the GPUs to test on the CPU")
+def test_ranks_stop_quietly_in_the_terminal_that_serves_the_lab(tmp_path, capfd):
+    """`make lab`'s server runs ipyparallel's extension, whose cluster panel watches the clusters of the usual
+    IPython profiles and prints every engine's log into the server's terminal when they stop. The course's ranks
+    live in a profile of their own (runs/live_ranks/): stopping them, from the notebook or with `stop-ranks`, prints
+    none of it, there or in the kernel."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    pytest.importorskip("jupyter_server")
+    from tests.harness.launch import course_env
+    from utils.distributed_utils import free_port
+
+    port, token = free_port(), "course-test"
+    log = tmp_path / "server.log"
+    with open(log, "w") as sink:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_server", "--no-browser", f"--port={port}",
+             f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
+             *(["--allow-root"] if os.geteuid() == 0 else [])],  # as `make lab` does
+            stdout=sink, stderr=subprocess.STDOUT, env=course_env(),
+        )  # fmt: skip
+
+    def clusters() -> list[str]:
+        """What the lab's cluster panel asks the server for (and how the server comes to watch a cluster)."""
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/ipyparallel/clusters", headers={"Authorization": f"token {token}"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return [cluster["id"] for cluster in json.loads(answer.read())]
+
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                clusters()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+                time.sleep(0.5)
+        ranks = start_ranks(2)
+        try:
+            seen = clusters()
+        finally:
+            ranks.stop()
+        orphan = subprocess.run(  # a killed kernel's ranks, then the command that stops them
+            [sys.executable, "-c", ORPHAN.format(root=str(ROOT))], capture_output=True, text=True, timeout=300,
+            env=course_env(),
+        )  # fmt: skip
+        seen += clusters()
+        stop = subprocess.run(
+            [sys.executable, "-m", "utils.course.notebook", "stop-ranks"], cwd=ROOT, capture_output=True, text=True,
+            timeout=120, env=course_env(),
+        )  # fmt: skip
+        for _ in range(5):  # the server notices stopped engines within a second or two
+            seen += clusters()
+            time.sleep(1)
+        terminal = log.read_text()  # before the server's own stop, which it logs as "received signal 15"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    kernel = capfd.readouterr()
+    printed = {
+        "the lab's terminal": terminal,
+        "the notebook's kernel": kernel.out + kernel.err,
+        "the killed kernel": orphan.stdout + orphan.stderr,
+        "`stop-ranks`": stop.stdout + stop.stderr,
+    }
+    assert "stopped 1 set(s)" in stop.stdout, printed
+    for where, text in printed.items():
+        noisy = [line for line in text.splitlines() if any(noise in line for noise in NOISE)]
+        assert not noisy, f"stopping the ranks printed ipyparallel's logs in {where}: {noisy[:5]}"
+    assert not [c for c in seen if "course-ranks" in c], f"the lab's cluster panel watches the course's ranks: {seen}"

@@ -1,4 +1,4 @@
-"""The four data-sharding strategies of utils/sharding.py: every sample exactly once per epoch.
+"""The four data-sharding strategies of utils/lesson_02/samplers.py: every sample exactly once per epoch.
 
 Strategies 1-3 take the rank and world size as arguments, so one process can play every rank; the
 dispatcher (4) needs real collectives and runs under torchrun (tests/workers/sharding_dispatch.py).
@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, WeightedRandomSampler
 
 from tests.harness.launch import ROOT, torchrun
-from utils.sharding import DatasetShardSampler, ShardedBatchSampler, StridedIterable, memory_mb
+from utils.lesson_02.host_memory import memory_mb
+from utils.lesson_02.samplers import DatasetShardSampler, ShardedBatchSampler, StridedIterable
 
 
 def check_epoch(per_rank: list[list[int]], n: int, round_size: int, drop_last: bool):
@@ -164,7 +165,7 @@ def test_memory_mapped_tokens_are_shared_between_ranks(tmp_path):
     out = tmp_path / "memory.json"
     # cold: torchrun's own processes, not warm ranks forked from one parent (they would share its memory)
     args = ["--memory", "--megabytes", 16, "--metrics-out", out]
-    torchrun(ROOT / "utils/sharding.py", 2, args, timeout=120, cold=True).check()
+    torchrun(ROOT / "utils/lesson_02/benchmarks.py", 2, args, timeout=120, cold=True).check()
     copy, mapped = json.loads(out.read_text())["rows"]
     assert copy["how"] == "a copy per process" and mapped["how"] == "memory-mapped"
     assert min(copy["pss_mb"]) > 0.9 * 16, f"a private copy should cost the whole file: {copy}"

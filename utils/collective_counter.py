@@ -1,4 +1,7 @@
-"""Count the collectives a piece of code runs on this rank, and the bytes of the tensors they work on.
+"""Count the collectives a piece of code runs on this rank, and the bytes of the tensors they work on: the course's
+bytes-on-the-wire counters in one place, two ways.
+
+CollectiveCounter sees every collective that passes through the dispatcher, grouped by phase (lessons 04, 06, 09, 10):
 
     counter = CollectiveCounter()
     counter.self_check(device)            # once: refuse to count on a release where collectives go unseen
@@ -14,7 +17,20 @@ counted. The bytes are those of the WHOLE tensor a collective works on (an all-r
 output, a reduce-scatter's or an all-to-all's input): on a ring each rank sends (N-1)/N of it, twice for an
 all-reduce.
 
-How, and what it relies on (internal, may change between releases; `self_check` notices when it does):
+CountCollectives counts, per process group, the bytes a library's own collectives move (lesson 03: FSDP2 and HSDP):
+
+    with CountCollectives({"shard": mesh.get_group("shard"), "replicate": mesh.get_group("replicate")}) as wire:
+        loss_fn(model(x), y).backward()
+    wire.bytes   # {"shard": {"all_gather": ..., "reduce_scatter": ...}, "replicate": {"all_reduce": ...}}
+
+FSDP2 calls `torch.distributed`'s functions by name at the moment it communicates (`dist.all_gather_single`,
+`dist.reduce_scatter_single`, `dist.all_reduce`; older releases `all_gather_into_tensor` and
+`reduce_scatter_tensor`), so wrapping those names while a step runs sees every byte it sends, with the group it
+went to. Bytes are those of the full tensor (the gathered output, the reduce-scatter input), as above. A group
+that is not named is counted under "other".
+
+How CollectiveCounter counts, and what it relies on (internal, may change between releases; `self_check`
+notices when it does):
 - `torch.utils._python_dispatch.TorchDispatchMode`, a private module: the mode sees every aten op, so it is
   slow (a Python call per op). Count one step, time the others.
 - the op names of the `c10d` and `_c10d_functional` namespaces (`torch.ops.c10d.allreduce_`,
@@ -25,6 +41,7 @@ How, and what it relies on (internal, may change between releases; `self_check` 
   collective issued without going through the dispatcher is not seen.
 """
 
+import inspect
 from collections import Counter
 from contextlib import contextmanager
 
@@ -151,3 +168,53 @@ class CollectiveCounter(TorchDispatchMode):
                 f"utils/collective_counter.py counted {dict(probe.calls) or 'nothing'} for one dist.all_reduce with "
                 f"torch {torch.__version__}: its op names (KINDS) no longer match this release; update them"
             )
+
+
+# name in torch.distributed -> (kind, the argument that is the full tensor): what CountCollectives wraps
+COUNTED = {
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "all_reduce": ("all_reduce", "tensor"),
+}
+
+
+class CountCollectives:
+    """Bytes per process group and kind, of the collectives called by their torch.distributed names in the block."""
+
+    def __init__(self, groups: dict):
+        self.groups = groups  # label -> ProcessGroup
+        self.bytes: dict[str, dict[str, int]] = {}
+        self._saved = {}
+
+    def _label(self, group) -> str:
+        for label, known in self.groups.items():
+            if known is group:
+                return label
+        return "other"
+
+    def _wrap(self, name, function):
+        kind, full = COUNTED[name]
+        signature = inspect.signature(function)
+
+        def counted(*args, **kwargs):
+            given = signature.bind(*args, **kwargs).arguments  # by position or by name, as the caller chose
+            tensor = given[full]
+            per_group = self.bytes.setdefault(self._label(given.get("group")), {})
+            per_group[kind] = per_group.get(kind, 0) + tensor.numel() * tensor.element_size()
+            return function(*args, **kwargs)
+
+        return counted
+
+    def __enter__(self):
+        for name in COUNTED:
+            if hasattr(dist, name):
+                self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc):
+        for name, function in self._saved.items():
+            setattr(dist, name, function)
+        self._saved = {}

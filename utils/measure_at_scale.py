@@ -22,8 +22,8 @@ the tp sub-mesh, lesson 05's pipeline stage, FSDP2 on the dp sub-mesh. Then, one
   counters are 0-d tensors on the host, not counted (as utils/metrics.py's state_bytes leaves them out).
   run_step=True measures both instead of deriving them: a forward, backward and optimizer step of the rank's stage
   under FakeTensorMode (a few seconds per rank), then the storages behind p.grad and the optimizer's state.
-- activations: one block at real width and sequence length runs under FakeTensorMode, and utils.grid's
-  SavedActivations counts what autograd saves for backward (saved-tensor hooks, each byte of storage once).
+- activations: one block at real width and sequence length runs under FakeTensorMode, and utils.memory's
+  ActivationFootprint counts what autograd saves for backward (saved-tensor hooks, each byte of storage once).
   Full recomputation is torch.utils.checkpoint around the block (non-reentrant): it saves only the block's input,
   through the same hooks. Selective recomputation is checkpoint with create_selective_checkpoint_contexts and a
   policy that keeps every matmul's output (and the attention kernel's) and recomputes the rest (the norms, the
@@ -52,8 +52,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from utils import planner
 from utils.course.lessons import lesson
-from utils.grid import SavedActivations, output_not_a_view
-from utils.memory import human
+from utils.lesson_06.placements import output_not_a_view
+from utils.memory import ActivationFootprint, human
 from utils.model import ModelConfig, TransformerLM
 
 OPTIMIZERS = ("sgd", "momentum", "adamw")  # the planner's names (utils/memory.py's OPTIMIZER_STATE)
@@ -281,8 +281,8 @@ class _Producers(TorchDispatchMode):
         return out
 
 
-class _Listed(SavedActivations):
-    """SavedActivations that also lists each tensor it counts: the module that saved it (`where()`) and the
+class _Listed(ActivationFootprint):
+    """ActivationFootprint that also lists each tensor it counts: the module that saved it (`where()`) and the
     operation that made it (`producers`)."""
 
     def __init__(self, where, producers: _Producers):
@@ -295,7 +295,7 @@ class _Listed(SavedActivations):
 
     def count(self, tensor, who: str):
         before = self.bytes
-        SavedActivations._pack(self, tensor)
+        ActivationFootprint._pack(self, tensor)
         added = self.bytes - before
         if added:
             local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor

@@ -24,10 +24,17 @@ use precision="fp32" for it.
 Padding: a sharded tensor of n elements split over dp ranks is padded to a multiple of dp, so each rank
 holds ceil(n / dp) elements. `padded_params` is the total after padding (every sharded buffer rounded up);
 each rank's shard is padded_params / dp. `padded_numel(sizes, dp)` computes it for a list of buffers.
+
+Activations beside the model state: `with ActivationFootprint() as saved: ...` then `saved.bytes`, every byte the
+tensors saved for backward reach (lesson 06's micro-batch, utils/measure_at_scale.py's block at real size).
 """
 
 import argparse
 import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 PRECISIONS = {"fp32": (4, 4), "mixed": (2, 2)}  # bytes per element of (parameters, gradients)
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8}  # fp32 bytes of state per parameter
@@ -125,6 +132,59 @@ def table(n_params: float, dp: int, precision: str, optimizer: str, stages=(0, 1
         cells = "".join(f"{human(state[k]):>{w}}" for k, w in (("params", 10), ("grads", 10), ("optimizer", 11)))
         lines.append(f"{stage} {STAGES[stage]:<22}{cells}{human(sum(state.values())):>10}")
     return "\n".join(lines)
+
+
+class ActivationFootprint:
+    """The memory the tensors autograd keeps for backward reach while the block runs (saved_tensors_hooks): every
+    byte saved in the block, each once, whether or not it is freed before the block ends (what one micro-batch's
+    forward adds; utils.metrics.SavedActivations measures the peak held at once instead).
+
+        with ActivationFootprint() as saved:
+            loss = model(tokens)...
+        saved.bytes      # the memory the saved tensors reach, each byte once
+
+    What counts: every tensor an operation saves for its backward (its own, or a view of another), except the
+    parameters and views of them (model state, counted by model_state_bytes). A saved tensor reaches a byte range
+    of its storage (offset to its last element); ranges of one storage are merged, so views that share memory
+    (the heads are views of a projection's output; a micro-batch is a slice of the batch) count once, and a slice
+    counts only the bytes it reaches, not its whole batch. A DTensor counts its local shard. The storages are
+    kept alive until the block ends, so that no freed address is reused and counted twice."""
+
+    def __init__(self):
+        self.ranges: dict[int, list[tuple[int, int]]] = {}  # storage -> byte ranges saved in it
+        self.storages = []  # keeps every storage seen alive until the block ends
+
+    def _pack(self, tensor):
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        base = tensor._base if tensor._base is not None else tensor
+        if not isinstance(base, nn.Parameter) and not isinstance(tensor, nn.Parameter) and local.numel():
+            storage = local.untyped_storage()
+            self.storages.append(storage)
+            start = local.storage_offset() * local.element_size()
+            reach = sum((size - 1) * stride for size, stride in zip(local.shape, local.stride())) + 1
+            # Keyed by the storage itself (its C++ object), not by data_ptr(): fake tensors (utils/measure_at_scale.py)
+            # all have address 0. Kept alive until the block ends, no key is reused.
+            self.ranges.setdefault(storage._cdata, []).append((start, start + reach * local.element_size()))
+        return tensor
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self.storages.clear()
+
+    @property
+    def bytes(self) -> int:
+        total = 0
+        for ranges in self.ranges.values():
+            end = 0
+            for start, stop in sorted(ranges):  # the union of the ranges: overlaps once
+                total += max(0, stop - max(start, end))
+                end = max(end, stop)
+        return total
 
 
 def main(argv=None):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from utils.data import DATASETS
 from utils.distributed_utils import CourseError, is_root_process
@@ -199,6 +200,14 @@ def build_optimizer(params, args) -> torch.optim.Optimizer:
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr)
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
+def parameter_groups(model: torch.nn.Module) -> list[dict]:
+    """DTensor parameters and plain ones in separate groups (for build_optimizer): a multi-tensor (foreach)
+    optimizer step, the default on GPUs, cannot mix the two kinds in one call."""
+    dtensors = [p for p in model.parameters() if isinstance(p, DTensor)]
+    plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    return [{"params": group} for group in (dtensors, plain) if group]
 
 
 class Logger:

@@ -3,6 +3,14 @@
 
 from tests.mutants import Mutant
 
+# Names the TODO comments may use (tests/harness/todo_comments.py does not count them as given away).
+COMMENT_MAY_NAME = {
+    "pass_around_ring": "the helper defined just above TODO 1, which section 3 of the notebook introduces",
+    "send": "a point-to-point call of torch.distributed, typed in section 2 of the notebook; TODO 7's title names it",
+    "recv": "its receiving half, named alike",
+    "isend": "the send that does not wait, typed in section 2 of the notebook",
+}
+
 MUTANTS = [
     # TODO 1: the ring's reduce-scatter phase
     Mutant(
@@ -119,5 +127,181 @@ MUTANTS = [
         what="sums the losses instead of averaging: every rank agrees, on the wrong step",
         find="dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # every rank now holds the same number...",
         replace="dist.all_reduce(loss)  # every rank now holds the same number...",
+    ),
+]
+
+# The solution's code that several variants replace whole.
+COUNT = "    count = (tokens >= 0).sum().to(torch.float64)  # an empty batch counts 0, and still joins the all-reduce\n"
+SWAP_IN_ORDER = (
+    "    if rank % 2 == 0:\n        dist.send(tensor, dst=partner)\n        dist.recv(received, src=partner)\n"
+    "    else:\n        dist.recv(received, src=partner)\n        dist.send(tensor, dst=partner)\n"
+)
+
+VARIANTS = [  # correct answers written another way: each TODO's check must accept them
+    # TODO 1: the ring's reduce-scatter phase
+    Mutant(
+        todo=1,
+        what="the step's exchange written out with isend and irecv, each waited for",
+        find="        pass_around_ring(chunks[send_index], incoming)\n",
+        replace="        sending = dist.isend(chunks[send_index], dst=(rank + 1) % world_size)\n"
+        "        dist.irecv(incoming, src=(rank - 1) % world_size).wait()\n        sending.wait()\n",
+    ),
+    Mutant(
+        todo=1,
+        what="a fresh buffer per step, indices kept non-negative by hand, add_ instead of +=",
+        find="    buffer = torch.empty_like(chunks[0])  # tensor_split makes chunk 0 the largest\n"
+        "    for step in range(world_size - 1):\n"
+        "        send_index, receive_index = (rank - step) % world_size, (rank - step - 1) % world_size\n"
+        "        incoming = buffer[: chunks[receive_index].numel()]\n"
+        "        pass_around_ring(chunks[send_index], incoming)\n"
+        "        chunks[receive_index] += incoming\n",
+        replace="    for step in range(world_size - 1):\n"
+        "        send_index = (rank - step + world_size) % world_size\n"
+        "        receive_index = (send_index - 1 + world_size) % world_size\n"
+        "        incoming = torch.zeros_like(chunks[receive_index])\n"
+        "        pass_around_ring(chunks[send_index], incoming)\n"
+        "        chunks[receive_index].add_(incoming)\n",
+    ),
+    # TODO 2: the ring's all-gather phase
+    Mutant(
+        todo=2,
+        what="follows the chunk it holds last instead of computing both indices from the step",
+        find="    for step in range(world_size - 1):\n"
+        "        send_index, receive_index = (rank + 1 - step) % world_size, (rank - step) % world_size\n"
+        "        pass_around_ring(chunks[send_index], chunks[receive_index])\n",
+        replace="    held = (rank + 1) % world_size\n    for _ in range(world_size - 1):\n"
+        "        arriving = (held - 1) % world_size\n        pass_around_ring(chunks[held], chunks[arriving])\n"
+        "        held = arriving\n",
+    ),
+    Mutant(
+        todo=2,
+        what="both halves of the exchange asynchronous (isend and irecv), then waits for both",
+        find="        pass_around_ring(chunks[send_index], chunks[receive_index])\n",
+        replace="        requests = [dist.isend(chunks[send_index], dst=(rank + 1) % world_size),\n"
+        "                    dist.irecv(chunks[receive_index], src=(rank - 1) % world_size)]\n"
+        "        for request in requests:\n            request.wait()\n",
+    ),
+    # TODO 3: all-reduce = reduce-scatter + all-gather
+    Mutant(
+        todo=3,
+        what="pads with F.pad, uses the *_tensor names of the two collectives, copies back with view_as",
+        find="    flat = tensor.view(-1)\n"
+        "    padded = torch.zeros(-(-flat.numel() // world_size) * world_size, dtype=tensor.dtype, "
+        "device=tensor.device)\n"
+        "    padded[: flat.numel()] = flat\n"
+        "    shard = torch.empty(padded.numel() // world_size, dtype=tensor.dtype, device=tensor.device)\n"
+        "    dist.reduce_scatter_single(shard, padded, op=dist.ReduceOp.SUM)\n"
+        "    dist.all_gather_single(padded, shard)\n"
+        "    flat.copy_(padded[: flat.numel()])\n",
+        replace="    count = tensor.numel()\n"
+        "    padded = torch.nn.functional.pad(tensor.flatten(), (0, (-count) % world_size))\n"
+        "    shard = padded.new_empty(padded.numel() // world_size)\n"
+        "    dist.reduce_scatter_tensor(shard, padded)\n"
+        "    dist.all_gather_into_tensor(padded, shard)\n"
+        "    tensor.copy_(padded[:count].view_as(tensor))\n",
+    ),
+    Mutant(
+        todo=3,
+        what="rounds up with math.ceil, concatenates the padding, waits on asynchronous collectives",
+        find="    padded = torch.zeros(-(-flat.numel() // world_size) * world_size, dtype=tensor.dtype, "
+        "device=tensor.device)\n"
+        "    padded[: flat.numel()] = flat\n"
+        "    shard = torch.empty(padded.numel() // world_size, dtype=tensor.dtype, device=tensor.device)\n"
+        "    dist.reduce_scatter_single(shard, padded, op=dist.ReduceOp.SUM)\n"
+        "    dist.all_gather_single(padded, shard)\n",
+        replace="    import math\n\n    per_rank = math.ceil(flat.numel() / world_size)\n"
+        "    padded = torch.cat([flat, flat.new_zeros(per_rank * world_size - flat.numel())])\n"
+        "    shard = flat.new_empty(per_rank)\n"
+        "    dist.reduce_scatter_single(shard, padded, op=dist.ReduceOp.SUM, async_op=True).wait()\n"
+        "    dist.all_gather_single(padded, shard, async_op=True).wait()\n",
+    ),
+    # TODO 4: lab, a collective some ranks skip
+    Mutant(
+        todo=4,
+        what="keeps the branch but joins the all-reduce with a zero count",
+        find=COUNT,
+        replace="    if tokens.numel() == 0:\n        count = torch.zeros((), dtype=torch.float64)\n"
+        "    else:\n        count = (tokens >= 0).sum().to(torch.float64)\n",
+    ),
+    Mutant(
+        todo=4,
+        what="counts with count_nonzero in an integer tensor",
+        find=COUNT,
+        replace="    count = torch.count_nonzero(tokens >= 0).reshape(1)\n",
+    ),
+    # TODO 5: lab, a rank that raises
+    Mutant(
+        todo=5,
+        what="an empty slice brings the smallest value, which never beats the largest",
+        find='    local = mine.max() if mine.numel() else torch.tensor(float("-inf"), dtype=values.dtype, '
+        "device=values.device)\n",
+        replace="    local = mine.max() if len(mine) > 0 else values.min()\n",
+    ),
+    Mutant(
+        todo=5,
+        what="appends -inf to every slice, so none is empty",
+        find='    local = mine.max() if mine.numel() else torch.tensor(float("-inf"), dtype=values.dtype, '
+        "device=values.device)\n",
+        replace='    local = torch.cat([mine, values.new_full((1,), float("-inf"))]).max()\n',
+    ),
+    # TODO 6: lab, shapes that differ between ranks
+    Mutant(
+        todo=6,
+        what="gathers the lengths as Python objects and the padded values as a list of tensors",
+        find="    length = torch.tensor([values.numel()], device=values.device)\n"
+        "    lengths = torch.empty(world_size, dtype=length.dtype, device=values.device)\n"
+        "    dist.all_gather_single(lengths, length)\n"
+        "    longest = int(lengths.max())\n"
+        "    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)\n"
+        "    padded[: values.numel()] = values\n"
+        "    gathered = torch.empty(world_size * longest, dtype=values.dtype, device=values.device)\n"
+        "    dist.all_gather_single(gathered, padded)\n"
+        "    return torch.cat([row[:n] for row, n in zip(gathered.view(world_size, longest), lengths.tolist())])\n",
+        replace="    lengths = [None] * world_size\n"
+        "    dist.all_gather_object(lengths, values.numel())\n"
+        "    longest = max(lengths)\n"
+        "    padded = torch.cat([values, values.new_zeros(longest - values.numel())])\n"
+        "    pieces = [torch.empty_like(padded) for _ in range(world_size)]\n"
+        "    dist.all_gather(pieces, padded)\n"
+        "    return torch.cat([piece[:n] for piece, n in zip(pieces, lengths)])\n",
+    ),
+    # TODO 7: lab, send/recv in the wrong order
+    Mutant(
+        todo=7,
+        what="posts the send without waiting (isend), receives, then waits for the send",
+        find=SWAP_IN_ORDER,
+        replace="    request = dist.isend(tensor, dst=partner)\n    dist.recv(received, src=partner)\n"
+        "    request.wait()\n",
+    ),
+    Mutant(
+        todo=7,
+        what="the higher rank of each pair sends first",
+        find=SWAP_IN_ORDER,
+        replace=SWAP_IN_ORDER.replace("rank % 2 == 0", "rank > partner"),
+    ),
+    Mutant(
+        todo=7,
+        what="posts the receive first (irecv), then sends",
+        find=SWAP_IN_ORDER,
+        replace="    request = dist.irecv(received, src=partner)\n    dist.send(tensor, dst=partner)\n"
+        "    request.wait()\n",
+    ),
+    # TODO 8: lab, a rank-dependent branch around a collective
+    Mutant(
+        todo=8,
+        what="sums the losses and divides by the world size itself",
+        find="        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # every rank now holds the same number...\n"
+        "        if loss.item() < target:  # ...so every rank takes the same branch\n",
+        replace="        dist.all_reduce(loss)\n        if loss.item() / dist.get_world_size() < target:\n",
+    ),
+    Mutant(
+        todo=8,
+        what="gathers every rank's loss and averages them on each rank",
+        find="        loss = torch.tensor(local_loss, dtype=torch.float64)\n"
+        "        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # every rank now holds the same number...\n"
+        "        if loss.item() < target:  # ...so every rank takes the same branch\n",
+        replace="        everyone = [None] * dist.get_world_size()\n"
+        "        dist.all_gather_object(everyone, local_loss)\n"
+        "        if sum(everyone) / len(everyone) < target:\n",
     ),
 ]

@@ -1,6 +1,14 @@
-"""Lesson 03's mutants: plausible mistakes in each TODO, which `make check LESSON=03` must blame on that TODO."""
+"""Lesson 03's mutants: plausible mistakes in each TODO, which `make check LESSON=03` must blame on that TODO;
+VARIANTS: correct answers written another way, which every TODO's tests must accept; and the names its TODO
+comments may use (COMMENT_MAY_NAME, for tests/harness/todo_comments.py)."""
 
 from tests.mutants import Mutant
+
+COMMENT_MAY_NAME = {
+    "fully_shard": "FSDP2's API, which TODO 7 must call; the notebook introduces it in sections 0 and 5",
+    "_unsafe_preserve_version_counter": "a private autograd API nobody could guess, which TODO 4 must call and the "
+    "notebook's section 3 names (refilling gathered parameters that autograd saved, as FSDP2 does)",
+}
 
 MUTANTS = [
     # TODO 1: the shard of the optimizer state
@@ -81,4 +89,176 @@ MUTANTS = [
     Mutant(todo=8, what="a dict's own tensors only: tensors nested in its tuples, lists or dicts get no hook",
            find="output = list(output.values())",
            replace="return [value for value in output.values() if torch.is_tensor(value)]"),
+]  # fmt: skip
+
+ZERO1_REDUCE = """                full = self._padded_gradients(flat)
+                all_reduce(full, self.group)
+                flat["shard"].grad = full[flat["lo"] : flat["hi"]]
+"""
+ZERO1_GATHER = (
+    """            mine = torch.zeros(flat["shard_numel"], dtype=flat["flat"].dtype, device=flat["flat"].device)\n"""
+    """            mine[: flat["hi"] - flat["lo"]] = flat["shard"]\n"""
+    """            gathered = torch.empty(flat["shard_numel"] * self.world_size, dtype=mine.dtype, """
+    """device=mine.device)\n"""
+    """            all_gather(gathered, mine, self.group)\n"""
+    """            flat["flat"].copy_(gathered[: flat["flat"].numel()])\n"""
+)
+ZERO2_REDUCE = """        reduce_scatter(reduced, full, self.group)
+"""
+ZERO3_COPY = """        full = torch.zeros(self.full.numel(), dtype=self.shard.dtype, device=self.shard.device)
+        offset = 0
+        for grad, shape in zip(grads, self.shapes):
+            if grad is not None:
+                full[offset : offset + math.prod(shape)].copy_(grad.reshape(-1))
+            offset += math.prod(shape)
+"""
+AFTER_FORWARD = """        if self.reshards(unit):
+            unit.free()
+        for tensor in self.output_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad, unit=unit: self._before_backward(unit, grad))
+"""
+OUTPUT_TENSORS = """    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [tensor for item in output for tensor in output_tensors(item)]
+    return [output] if torch.is_tensor(output) else []
+"""
+
+VARIANTS = [  # correct answers written another way: every TODO's tests must accept them
+    # TODO 1: S rounded up, this rank's [lo, hi), a view of it
+    Mutant(todo=1, what="S by negated floor division (-(-numel // N)), the end of the slice from its start",
+           find="""                shard_numel = math.ceil(numel / self.world_size)
+                lo, hi = min(self.rank * shard_numel, numel), min((self.rank + 1) * shard_numel, numel)
+""",
+           replace="""                shard_numel = -(-numel // self.world_size)
+                lo = min(self.rank * shard_numel, numel)
+                hi = min(lo + shard_numel, numel)
+"""),
+    Mutant(todo=1, what="the shard cut out with torch.tensor_split at [lo, hi) (a view, like the slice)",
+           find="                shard = flat[lo:hi]\n",
+           replace="                shard = torch.tensor_split(flat, [lo, hi])[1]\n"),
+    Mutant(todo=1, what="the shard as flat.narrow(0, lo, hi - lo), S by divmod",
+           find="""                shard_numel = math.ceil(numel / self.world_size)
+                lo, hi = min(self.rank * shard_numel, numel), min((self.rank + 1) * shard_numel, numel)
+                shard = flat[lo:hi]
+""",
+           replace="""                whole, rest = divmod(numel, self.world_size)
+                shard_numel = whole + (rest > 0)
+                lo, hi = (min(r * shard_numel, numel) for r in (self.rank, self.rank + 1))
+                shard = flat.narrow(0, lo, hi - lo)
+"""),
+    # TODO 2: the ZeRO-1 step
+    Mutant(todo=2, what="ZeRO-1 reduce-scatters the padded gradient (its own slice is all it needs), not all-reduce",
+           find=ZERO1_REDUCE,
+           replace="""                full = self._padded_gradients(flat)
+                reduced = torch.empty(flat["shard_numel"], dtype=full.dtype, device=full.device)
+                reduce_scatter(reduced, full, self.group)
+                flat["shard"].grad = reduced[: flat["hi"] - flat["lo"]]
+"""),
+    Mutant(todo=2, what="all-reduces the sum, then divides by the world size",
+           find=ZERO1_REDUCE,
+           replace="""                full = self._padded_gradients(flat)
+                all_reduce(full, self.group, op=dist.ReduceOp.SUM)
+                full /= self.world_size
+                flat["shard"].grad = full[flat["lo"] : flat["hi"]]
+"""),
+    Mutant(todo=2, what="pads this rank's slice with torch.nn.functional.pad, copies back with narrow",
+           find=ZERO1_GATHER,
+           replace="""            padding = flat["shard_numel"] - flat["shard"].numel()
+            mine = torch.nn.functional.pad(flat["shard"].detach(), (0, padding))
+            gathered = mine.new_empty(flat["shard_numel"] * self.world_size)
+            all_gather(gathered, mine, self.group)
+            flat["flat"].copy_(gathered.narrow(0, 0, flat["flat"].numel()))
+"""),
+    # TODO 3: ZeRO-2's reduce-scatter
+    Mutant(todo=3, what="reduce-scatters the sum, then divides by the world size",
+           find=ZERO2_REDUCE,
+           replace="""        reduce_scatter(reduced, full, self.group, op=dist.ReduceOp.SUM)
+        reduced.div_(self.world_size)
+"""),
+    Mutant(todo=3, what="accumulates into the shard's gradient in place, frees the full gradients last",
+           find="""        for p in flat["params"]:
+            p.grad = None
+        mine = reduced[: flat["hi"] - flat["lo"]]
+        shard = flat["shard"]
+        shard.grad = mine if shard.grad is None else shard.grad + mine
+""",
+           replace="""        shard, mine = flat["shard"], reduced[: flat["hi"] - flat["lo"]]
+        if shard.grad is None:
+            shard.grad = mine.clone()
+        else:
+            shard.grad.add_(mine)
+        for p in flat["params"]:
+            p.grad = None
+"""),
+    # TODO 4: the all-gather of a unit
+    Mutant(todo=4, what="the two context managers in the other order, the cast with .to(dtype=...) on .data",
+           find="""        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
+            all_gather(self.full, self.shard.detach().to(self.full.dtype), self.group)
+""",
+           replace="""        with torch.autograd._unsafe_preserve_version_counter(self.full), torch.no_grad():
+            piece = self.shard.data.to(dtype=self.full.dtype)
+            all_gather(self.full, piece, self.group)
+"""),
+    # TODO 5: the reduce-scatter of a unit's gradients
+    Mutant(todo=5, what="the flat buffer by torch.cat (zeros for missing gradients), padded by torch.nn.functional.pad",
+           find=ZERO3_COPY,
+           replace="""        flat = torch.cat([
+            (grad if grad is not None else self.shard.new_zeros(shape)).reshape(-1).to(self.shard.dtype)
+            for grad, shape in zip(grads, self.shapes)
+        ])
+        full = torch.nn.functional.pad(flat, (0, self.full.numel() - flat.numel()))
+"""),
+    Mutant(todo=5, what="reduce-scatters the sum, then divides by the world size",
+           find="""        reduce_scatter(shard_grad, full, self.group)
+""",
+           replace="""        reduce_scatter(shard_grad, full, self.group, op=dist.ReduceOp.SUM)
+        shard_grad /= dist.get_world_size(self.group)
+"""),
+    # TODO 6: the schedule after a unit's forward
+    Mutant(todo=6, what="hooks the outputs first, frees afterwards; the hook is a functools.partial",
+           find=AFTER_FORWARD,
+           replace="""        import functools
+
+        for tensor in self.output_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(functools.partial(self._before_backward, unit))
+        if self.reshards(unit):
+            unit.free()
+"""),
+    Mutant(todo=6, what="only the tensors that require grad, collected first; resharding decided without reshards()",
+           find=AFTER_FORWARD,
+           replace="""        needing = [tensor for tensor in self.output_tensors(output) if tensor.requires_grad]
+        for tensor in needing:
+            tensor.register_hook(lambda grad, unit=unit: self._before_backward(unit, grad))
+        if self.reshard_after_forward and unit is not self.root:
+            unit.free()
+"""),
+    # TODO 7: FSDP2
+    Mutant(todo=7, what="keyword arguments in another order",
+           find="fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)",
+           replace="fully_shard(block, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, mesh=mesh)"),
+    Mutant(todo=7, what="the root's reshard_after_forward explicitly False (what its default does)",
+           find="fully_shard(model, mesh=mesh, mp_policy=mp_policy)",
+           replace="fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)"),
+    Mutant(todo=7, what="the blocks sharded from the last to the first",
+           find="    for block in model.blocks:\n        fully_shard(block,",
+           replace="    for block in reversed(model.blocks):\n        fully_shard(block,"),
+    # TODO 8: the lab
+    Mutant(todo=8, what="torch.utils._pytree.tree_leaves, keeping the tensors",
+           find=OUTPUT_TENSORS,
+           replace="""    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(output) if torch.is_tensor(leaf)]
+"""),
+    Mutant(todo=8, what="any Mapping, recursing into each value",
+           find=OUTPUT_TENSORS,
+           replace="""    from collections.abc import Mapping
+
+    if torch.is_tensor(output):
+        return [output]
+    items = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else []
+    return [tensor for item in items for tensor in output_tensors(item)]
+"""),
 ]  # fmt: skip

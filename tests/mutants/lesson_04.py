@@ -87,3 +87,165 @@ MUTANTS = [
            find="ReduceFromParallelRegion.apply(F.linear(hidden, down_weight), group) + down_bias",
            replace="ReduceFromParallelRegion.apply(F.linear(hidden, down_weight), group) / n + down_bias"),
 ]  # fmt: skip
+
+# Names a TODO comment may use: the PyTorch APIs the learner must call, which the notebook introduces.
+COMMENT_MAY_NAME = {
+    "register_forward_pre_hook": "TODO 4's way into a region once per module: notebook section 3's forward pre-hook",
+    "parallelize_module": "the DTensor entry point TODO 7 calls: notebook section 3",
+    "ColwiseParallel": "TODO 7's style for a column-parallel layer: notebook section 3",
+    "RowwiseParallel": "TODO 7's style for a row-parallel layer: notebook section 3",
+    "PrepareModuleInput": "TODO 7's style for a region's input: notebook section 3",
+    "SequenceParallel": "TODO 7's style for the norms with SP: notebook section 5",
+}
+
+VARIANTS = [  # correct answers, written another way: every TODO's check must pass them
+    # TODO 1: the four cases as one condition; the sum through dist.all_reduce directly, asynchronously
+    Mutant(todo=1, what='one condition for the identity cases; the all-reduce written out, async_op=True then wait()',
+           find='    if which == "f":  # entering: the input is whole on every rank, its gradient a partial sum\n'
+                '        return _all_reduce(x, group) if backward else x.view_as(x)\n'
+                '    return x.view_as(x) if backward else _all_reduce(x, group)  # leaving: the reverse\n',
+           replace='    if (which == "f") != backward:  # f forward, g backward: whole already\n'
+                   '        return x.view_as(x)\n'
+                   '    summed = x.contiguous().clone()\n'
+                   '    dist.all_reduce(summed, group=group, async_op=True).wait()\n'
+                   '    return summed\n'),
+    Mutant(todo=1, what='a set of the cases that sum; the identity as a copy (clone) instead of a view',
+           find='    if which == "f":  # entering: the input is whole on every rank, its gradient a partial sum\n'
+                '        return _all_reduce(x, group) if backward else x.view_as(x)\n'
+                '    return x.view_as(x) if backward else _all_reduce(x, group)  # leaving: the reverse\n',
+           replace='    partial = {("f", True), ("g", False)}  # the cases where a rank holds a share of a sum\n'
+                   '    return _all_reduce(x, group) if (which, backward) in partial else x.clone()\n'),
+    # TODO 2: the matrix product written out; the gather's dimension counted from the front
+    Mutant(todo=2, what='x @ weight.T + bias, not F.linear; Gather along y.dim() - 1; f in a conditional expression',
+           find='        if self.copy_input:\n'
+                '            x = CopyToParallelRegion.apply(x, self.group)\n'
+                '        y = F.linear(x, self.weight, self.bias)\n'
+                '        return Gather.apply(y, -1, self.group) if self.gather_output else y\n',
+           replace='        x = CopyToParallelRegion.apply(x, self.group) if self.copy_input else x\n'
+                   '        y = x @ self.weight.T + self.bias\n'
+                   '        if self.gather_output:\n'
+                   '            y = Gather.apply(y, y.dim() - 1, self.group)\n'
+                   '        return y\n'),
+    # TODO 3: the product written out, the bias added with torch.add, Split along x.dim() - 1
+    Mutant(todo=3, what='x @ weight.T, Split along x.dim() - 1, the bias added with torch.add after leaving',
+           find='        if not self.input_is_parallel:\n'
+                '            x = Split.apply(x, -1, self.group)\n'
+                '        y = self.leave.apply(F.linear(x, self.weight), self.group)\n'
+                '        return y + self.bias\n',
+           replace='        x = x if self.input_is_parallel else Split.apply(x, x.dim() - 1, self.group)\n'
+                   '        return torch.add(self.leave.apply(x @ self.weight.T, self.group), self.bias)\n'),
+    # TODO 4: assignments written out, the MLP first, a named hook that returns a tensor (not a tuple)
+    Mutant(todo=4, what='each projection assigned by name, the MLP first; one named pre-hook returning a tensor',
+           find='    attention, mlp = block.attention, block.mlp\n'
+                '    for name in ("q_proj", "k_proj", "v_proj"):\n'
+                '        setattr(attention, name, ColumnParallelLinear(getattr(attention, name), group, copy_'
+                'input=False))\n'
+                '    attention.o_proj = RowParallelLinear(attention.o_proj, group, sequence_parallel=sequence'
+                '_parallel)\n'
+                '    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group, copy_input=False)\n'
+                '    mlp.down_proj = RowParallelLinear(mlp.down_proj, group, sequence_parallel=sequence_parallel)\n'
+                '    for module in (attention, mlp):\n'
+                '        module.register_forward_pre_hook(lambda module, args: (enter.apply(args[0], group),))\n',
+           replace='    block.mlp.up_proj = ColumnParallelLinear(block.mlp.up_proj, group, copy_input=False)\n'
+                   '    block.mlp.down_proj = RowParallelLinear(block.mlp.down_proj, group, True, sequence_pa'
+                   'rallel)\n'
+                   '    block.attention.q_proj = ColumnParallelLinear(block.attention.q_proj, group, copy_inp'
+                   'ut=False)\n'
+                   '    block.attention.k_proj = ColumnParallelLinear(block.attention.k_proj, group, copy_inp'
+                   'ut=False)\n'
+                   '    block.attention.v_proj = ColumnParallelLinear(block.attention.v_proj, group, copy_inp'
+                   'ut=False)\n'
+                   '    block.attention.o_proj = RowParallelLinear(block.attention.o_proj, group, True, seque'
+                   'nce_parallel)\n'
+                   '\n'
+                   '    def enter_region(module, args):\n'
+                   '        return enter.apply(args[0], group)  # one tensor: PyTorch makes it the 1-tuple of'
+                   ' arguments\n'
+                   '\n'
+                   '    block.mlp.register_forward_pre_hook(enter_region)\n'
+                   '    block.attention.register_forward_pre_hook(enter_region)\n'),
+    # TODO 5: the all-gather written with dist.all_gather into a list, then torch.cat
+    Mutant(todo=5, what='the gathering cases through dist.all_gather into a list and torch.cat, one condition',
+           find='    if which == "f":  # entering: every token needed; the gradients coming back are partial sums\n'
+                '        return _reduce_scatter(x, 1, group) if backward else _all_gather(x, 1, group)\n'
+                '    return _all_gather(x, 1, group) if backward else _reduce_scatter(x, 1, group)  # leaving'
+                ': the reverse\n',
+           replace='    if (which == "f") == backward:  # f backward, g forward: partial sums of every token\n'
+                   '        return _reduce_scatter(x, 1, group)\n'
+                   '    x = x.contiguous()\n'
+                   '    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]\n'
+                   '    dist.all_gather(pieces, x, group=group)\n'
+                   '    return torch.cat(pieces, dim=1)\n'),
+    # TODO 6: narrow instead of split, reshape instead of flatten, the all-reduce asynchronous
+    Mutant(todo=6, what='reshape(-1) and narrow at running offsets; the all-reduce async_op=True then wait()',
+           find='    flat = torch.cat([p.grad.flatten() for p in params])\n'
+                '    dist.all_reduce(flat, group=group)\n'
+                '    for p, summed in zip(params, flat.split([p.numel() for p in params])):\n'
+                '        p.grad.copy_(summed.view_as(p.grad))\n',
+           replace='    flat = torch.cat([p.grad.reshape(-1) for p in params])\n'
+                   '    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True).wait()\n'
+                   '    offset = 0\n'
+                   '    for p in params:\n'
+                   '        p.grad.copy_(flat.narrow(0, offset, p.numel()).view_as(p.grad))\n'
+                   '        offset += p.numel()\n'),
+    # TODO 7: one plan for the whole model (paths blocks.i.<submodule>), applied in one call
+    Mutant(todo=7, what='one plan for the whole model, keyed blocks.i.<path>, one parallelize_module call',
+           find="    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout "
+                'between the regions\n'
+                '    enter = PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate(), use_'
+                'local_output=False)\n'
+                '    for block in model.blocks:\n'
+                '        plan = {\n'
+                '            "attention": enter,\n'
+                '            "attention.q_proj": ColwiseParallel(),\n'
+                '            "attention.k_proj": ColwiseParallel(),\n'
+                '            "attention.v_proj": ColwiseParallel(),\n'
+                '            "attention.o_proj": RowwiseParallel(output_layouts=stream),\n'
+                '            "mlp": enter,\n'
+                '            "mlp.up_proj": ColwiseParallel(),\n'
+                '            "mlp.down_proj": RowwiseParallel(output_layouts=stream),\n'
+                '        }\n'
+                '        if sequence_parallel:\n'
+                '            plan["attn_norm"] = SequenceParallel()\n'
+                '            plan["mlp_norm"] = SequenceParallel()\n'
+                '        parallelize_module(block, tp_mesh, plan)\n'
+                '    if sequence_parallel:\n'
+                '        plan = {\n'
+                '            "blocks.0": PrepareModuleInput(\n'
+                '                input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True\n'
+                '            ),\n'
+                '            "norm": SequenceParallel(),\n'
+                '            "head": PrepareModuleInput(\n'
+                '                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True\n'
+                '            ),\n'
+                '        }\n'
+                '        parallelize_module(model, tp_mesh, plan)\n',
+           replace='    stream = Shard(1) if sequence_parallel else Replicate()\n'
+                   '    plan = {}\n'
+                   '    for i in range(len(model.blocks)):\n'
+                   '        into_region = PrepareModuleInput(input_layouts=stream, desired_input_layouts=Repl'
+                   'icate(), use_local_output=False)\n'
+                   '        plan[f"blocks.{i}.attention"] = plan[f"blocks.{i}.mlp"] = into_region\n'
+                   '        for path in ("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.up_'
+                   'proj"):\n'
+                   '            plan[f"blocks.{i}.{path}"] = ColwiseParallel()\n'
+                   '        for path in ("attention.o_proj", "mlp.down_proj"):\n'
+                   '            plan[f"blocks.{i}.{path}"] = RowwiseParallel(output_layouts=stream)\n'
+                   '        if sequence_parallel:\n'
+                   '            plan[f"blocks.{i}.attn_norm"] = plan[f"blocks.{i}.mlp_norm"] = SequenceParallel()\n'
+                   '    if sequence_parallel:\n'
+                   '        plan["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(), desired_input_la'
+                   'youts=Shard(1), use_local_output=True)\n'
+                   '        plan["norm"] = SequenceParallel()\n'
+                   '        plan["head"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=R'
+                   'eplicate(), use_local_output=True)\n'
+                   '    parallelize_module(model, tp_mesh, plan)\n'),
+    # TODO 8: f applied through @ and the adds in another order
+    Mutant(todo=8, what='the MLP written with @; the bias and the residual added in another order after g',
+           find='        hidden = F.gelu(F.linear(CopyToParallelRegion.apply(h, group), up_weight, up_bias)) '
+                " # f: h's gradient summed\n"
+                '        y = h + ReduceFromParallelRegion.apply(F.linear(hidden, down_weight), group) + down_'
+                'bias  # g, then the bias\n',
+           replace='        hidden = F.gelu(CopyToParallelRegion.apply(h, group) @ up_weight.T + up_bias)\n'
+                   '        y = down_bias + ReduceFromParallelRegion.apply(hidden @ down_weight.T, group) + h\n'),
+]  # fmt: skip

@@ -86,3 +86,83 @@ MUTANTS = [
     Mutant(todo=7, what="decides by the DP group's size instead of the pipeline's stages",
            find='one_stage = mesh["pp"].size() == 1', replace='one_stage = mesh["dp"].size() == 1'),
 ]  # fmt: skip
+
+# Correct answers written another way: each must pass its TODO (and blame no other).
+COORDINATES = (
+    '    return {\n        "pp": rank // (layout.dp * layout.tp),\n'
+    '        "dp": rank // layout.tp % layout.dp,\n        "tp": rank % layout.tp,\n    }\n'
+)
+GROUPS = (
+    "    for dim in DIMS:\n        for ranks in group_members(layout, dim):\n            group = new_group(ranks)\n"
+    "            if rank in ranks:\n                groups[dim], members[dim] = group, ranks\n"
+)
+VARIANTS = [
+    # TODO 1
+    Mutant(todo=1, what="divmod, the last digit first, and the keys in another order",
+           find=COORDINATES,
+           replace="    rest, tp = divmod(rank, layout.tp)\n    pp, dp = divmod(rest, layout.dp)\n"
+                   '    return {"tp": tp, "dp": dp, "pp": pp}\n'),
+    Mutant(todo=1, what="the rank's index in a tensor of ranks shaped (pp, dp, tp)",
+           find=COORDINATES,
+           replace="    ranks = torch.arange(layout.world_size).reshape(layout.pp, layout.dp, layout.tp)\n"
+                   "    return dict(zip(DIMS, (ranks == rank).nonzero()[0].tolist()))\n"),
+    # TODO 2
+    Mutant(todo=2, what="groups as tuples, found by comparing every pair of ranks' other coordinates",
+           find="    groups: dict[tuple, list[int]] = {}\n    for rank in range(layout.world_size):\n"
+                "        place = coordinates(rank, layout)\n"
+                "        key = tuple(place[other] for other in DIMS if other != dim)\n"
+                "        groups.setdefault(key, []).append(rank)\n    return list(groups.values())\n",
+           replace="    def others(rank):\n"
+                   "        return [v for d, v in coordinates(rank, layout).items() if d != dim]\n\n"
+                   "    everyone = range(layout.world_size)\n"
+                   "    found = {tuple(r for r in everyone if others(r) == others(rank)) for rank in everyone}\n"
+                   "    return sorted(found)\n"),
+    # TODO 3
+    Mutant(todo=3, what="the dimensions in another order (the same on every rank), members kept as tuples",
+           find=GROUPS,
+           replace="    for dim in reversed(DIMS):\n        for ranks in map(tuple, group_members(layout, dim)):\n"
+                   "            group = new_group(ranks)\n            if rank in ranks:\n"
+                   "                groups[dim], members[dim] = group, ranks\n"),
+    Mutant(todo=3, what="every group created first, the rank's own picked afterwards",
+           find=GROUPS,
+           replace="    made = [(dim, ranks, new_group(ranks))\n"
+                   "            for dim in DIMS for ranks in group_members(layout, dim)]\n"
+                   "    for dim, ranks, group in made:\n        if rank in ranks:\n"
+                   "            groups[dim], members[dim] = group, ranks\n"),
+    # TODO 4
+    Mutant(todo=4, what="a strided split: every dp-th sequence from the replica's index (trains the same)",
+           find='return batch.chunk(grid.layout.dp)[grid.coords["dp"]]',
+           replace='return batch[grid.coords["dp"] :: grid.layout.dp]'),
+    Mutant(todo=4, what="a slice computed from the replica's size",
+           find='return batch.chunk(grid.layout.dp)[grid.coords["dp"]]',
+           replace='size = len(batch) // grid.layout.dp\n'
+                   '    return batch[grid.coords["dp"] * size : (grid.coords["dp"] + 1) * size]'),
+    # TODO 5
+    Mutant(todo=5, what="the rank computed from the grid's formula",
+           find='return grid.members["pp"][stage]',
+           replace='return (stage * grid.layout.dp + grid.coords["dp"]) * grid.layout.tp + grid.coords["tp"]'),
+    Mutant(todo=5, what="this rank moved by whole stages",
+           find='return grid.members["pp"][stage]',
+           replace='return grid.rank + (stage - grid.coords["pp"]) * grid.layout.dp * grid.layout.tp'),
+    # TODO 6
+    Mutant(todo=6, what="ReduceOp.AVG (gloo has it) instead of a sum and a division",
+           find="    dist.all_reduce(flat, group=group)\n    flat /= dist.get_world_size(group)\n",
+           replace="    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)\n"),
+    Mutant(todo=6, what="one all-reduce per gradient, in place, asynchronous, then waited for",
+           find="    flat = torch.cat([g.flatten() for g in gradients])\n    dist.all_reduce(flat, group=group)\n"
+                "    flat /= dist.get_world_size(group)\n"
+                "    for gradient, average in zip(gradients, flat.split([g.numel() for g in gradients])):\n"
+                "        gradient.copy_(average.view_as(gradient))\n",
+           replace="    works = [dist.all_reduce(g, group=group, async_op=True) for g in gradients]\n"
+                   "    for gradient, work in zip(gradients, works):\n        work.wait()\n"
+                   "        gradient.div_(dist.get_world_size(group))\n"),
+    # TODO 7
+    Mutant(todo=7, what="the embeddings in an FSDP unit of their own on the first stage",
+           find="    fully_shard(stage, mesh=mesh[\"dp\"])  # the root",
+           replace="    if stage.first:\n"
+                   "        for embedding in (stage.token_embedding, stage.position_embedding):\n"
+                   "            fully_shard(embedding, mesh=mesh[\"dp\"], reshard_after_forward=one_stage)\n"
+                   "    fully_shard(stage, mesh=mesh[\"dp\"])  # the root"),
+    Mutant(todo=7, what="the pipeline's size read from the mesh's shape",
+           find='one_stage = mesh["pp"].size() == 1', replace='one_stage = mesh.shape[0] == 1'),
+]  # fmt: skip

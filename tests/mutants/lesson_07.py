@@ -2,6 +2,11 @@
 
 from tests.mutants import Mutant
 
+COMMENT_MAY_NAME = {
+    "dist": "torch.distributed, the module every lesson's collectives come from",
+    "torch": "the library itself",
+}
+
 MUTANTS = [
     # TODO 1: the all-reduce hook
     Mutant(
@@ -59,6 +64,12 @@ MUTANTS = [
         what="decode ignores the collectives' futures: a failed all-gather decodes an unfilled buffer",
         find="        torch.futures.wait_all(collected.value())  # raises if a collective failed",
         replace="        pass",
+    ),
+    Mutant(
+        todo=2,
+        what="averages twice: each rank's values divided by n before they are sent, and the sum divided again",
+        find="    values = corrected[indices]\n",
+        replace="    values = corrected[indices] / n\n",
     ),
     Mutant(
         todo=2,
@@ -122,5 +133,188 @@ MUTANTS = [
         what="averages into the flat copy but never writes it back into the model",
         find="        vector_to_parameters(flat.div_(dist.get_world_size(group)), params)",
         replace="        flat.div_(dist.get_world_size(group))",
+    ),
+]
+
+VARIANTS = [  # correct answers written another way: each TODO's tests must accept them
+    # TODO 1
+    Mutant(
+        todo=1,
+        what="ReduceOp.AVG averages in the collective: nothing left to divide",
+        find=(
+            "    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()\n"
+            "    return future.then(lambda fut: fut.value()[0].div_(n))"
+        ),
+        replace=(
+            "    future = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True).get_future()\n"
+            "    return future.then(lambda fut: fut.value()[0])"
+        ),
+    ),
+    Mutant(
+        todo=1,
+        what="divides each rank's gradients before the sum; the callback returns the bucket's own tensor",
+        find=(
+            "    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()\n"
+            "    return future.then(lambda fut: fut.value()[0].div_(n))"
+        ),
+        replace=(
+            "    work = dist.all_reduce(buffer.div_(n), group=group, async_op=True)\n"
+            "    return work.get_future().then(lambda _: buffer)"
+        ),
+    ),
+    # TODO 2
+    Mutant(
+        todo=2,
+        what="waits for both all-gathers in the hook (torch.futures.wait_all) and returns a completed Future",
+        find=(
+            "    return torch.futures.collect_all(futures).then(decode)\n"
+            '    # EXERCISE\n    # raise NotImplementedError("TODO 2'
+        ),
+        replace=(
+            "    torch.futures.wait_all(futures)  # raises if a collective failed\n"
+            "    done = torch.futures.Future()\n"
+            "    done.set_result(torch.zeros_like(grad).index_add_(0, all_indices.long(), all_values).div_(n))\n"
+            '    return done\n    # EXERCISE\n    # raise NotImplementedError("TODO 2'
+        ),
+    ),
+    Mutant(
+        todo=2,
+        what="decode asks each collective's Future for its value (raises if it failed); index_put_ accumulates",
+        find=(
+            "        torch.futures.wait_all(collected.value())  # raises if a collective failed\n"
+            "        return torch.zeros_like(grad).index_add_(0, all_indices.long(), all_values).div_(n)"
+        ),
+        replace=(
+            "        for gathered in collected.value():\n"
+            "            gathered.value()\n"
+            "        summed = torch.zeros_like(grad).index_put_((all_indices.long(),), all_values, accumulate=True)\n"
+            "        return summed / n"
+        ),
+    ),
+    Mutant(
+        todo=2,
+        what="sorted top-k through torch.topk, the values taken with index_select",
+        find=("    indices = corrected.abs().topk(k, sorted=False).indices\n    values = corrected[indices]\n"),
+        replace=(
+            "    indices = torch.topk(corrected.abs(), k).indices\n    values = corrected.index_select(0, indices)\n"
+        ),
+    ),
+    # TODO 3
+    Mutant(
+        todo=3,
+        what="floor(x / scale + uniform): up with probability = the fractional part, in one expression",
+        find=(
+            "    low = scaled.floor()\n"
+            "    up = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) < scaled - low\n"
+            "    codes = (low + up).clamp_(-levels, levels).to(torch.int8 if bits <= 8 else torch.int16)"
+        ),
+        replace=(
+            "    noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)\n"
+            "    codes = torch.floor(scaled + noise).clamp(-levels, levels)\n"
+            "    codes = codes.to(torch.int8) if bits <= 8 else codes.to(torch.int16)"
+        ),
+    ),
+    Mutant(
+        todo=3,
+        what="round(x / scale + uniform - 1/2), amax for the largest magnitude",
+        find=(
+            "    top = x.abs().max()\n"
+            "    scale = top / levels if top > 0 else torch.ones((), dtype=x.dtype, device=x.device)\n"
+            "    scaled = x / scale\n"
+            "    low = scaled.floor()\n"
+            "    up = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) < scaled - low\n"
+            "    codes = (low + up).clamp_(-levels, levels).to(torch.int8 if bits <= 8 else torch.int16)"
+        ),
+        replace=(
+            "    top = x.abs().amax()\n"
+            "    scale = top / levels if top > 0 else torch.ones((), dtype=x.dtype, device=x.device)\n"
+            "    noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)\n"
+            "    codes = torch.round(x / scale + noise - 0.5).clamp_(-levels, levels)\n"
+            "    codes = codes.to(torch.int8 if bits <= 8 else torch.int16)"
+        ),
+    ),
+    Mutant(
+        todo=3,
+        what="the upward step drawn with torch.bernoulli from `generator`",
+        find="    up = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) < scaled - low",
+        replace="    up = torch.bernoulli(scaled - low, generator=generator)",
+    ),
+    # TODO 4
+    Mutant(
+        todo=4,
+        what="waits for both all-gathers in the hook (torch.futures.wait_all) and returns a completed Future",
+        find=(
+            "    def decode(collected):\n"
+            "        torch.futures.wait_all(collected.value())  # raises the collectives' errors\n"
+            "        all_codes = from_bytes(all_data.view(n, -1), state.bits, grad.numel())\n"
+            "        return dequantize(all_codes, all_scales.view(n, 1)).sum(0).div_(n)\n"
+            "\n"
+            "    return torch.futures.collect_all(futures).then(decode)"
+        ),
+        replace=(
+            "    torch.futures.wait_all(futures)\n"
+            "    all_codes = from_bytes(all_data.view(n, -1), state.bits, grad.numel())\n"
+            "    done = torch.futures.Future()\n"
+            "    done.set_result(dequantize(all_codes, all_scales.view(n, 1)).sum(0).div_(n))\n"
+            "    return done"
+        ),
+    ),
+    Mutant(
+        todo=4,
+        what="the scales gathered first, each row scaled by broadcasting and averaged with mean",
+        find=(
+            "    futures = [\n"
+            "        dist.all_gather_single(all_data, data, group=state.group, async_op=True).get_future(),\n"
+            "        dist.all_gather_single(all_scales, scale.reshape(1), group=state.group, async_op=True)"
+            ".get_future(),\n"
+            "    ]\n"
+            "\n"
+            "    def decode(collected):\n"
+            "        torch.futures.wait_all(collected.value())  # raises the collectives' errors\n"
+            "        all_codes = from_bytes(all_data.view(n, -1), state.bits, grad.numel())\n"
+            "        return dequantize(all_codes, all_scales.view(n, 1)).sum(0).div_(n)"
+        ),
+        replace=(
+            "    futures = [\n"
+            "        dist.all_gather_single(all_scales, scale.view(1), group=state.group, async_op=True)"
+            ".get_future(),\n"
+            "        dist.all_gather_single(all_data, data, group=state.group, async_op=True).get_future(),\n"
+            "    ]\n"
+            "\n"
+            "    def decode(collected):\n"
+            "        for gathered in collected.value():\n"
+            "            gathered.wait()\n"
+            "        rows = from_bytes(all_data.view(n, -1), state.bits, grad.numel()).to(all_scales.dtype)\n"
+            "        return (rows * all_scales[:, None]).mean(0)"
+        ),
+    ),
+    # TODO 5
+    Mutant(
+        todo=5,
+        what="ReduceOp.AVG: the collective averages, the vector goes back as it comes",
+        find=(
+            "        dist.all_reduce(flat, group=group)\n"
+            "        vector_to_parameters(flat.div_(dist.get_world_size(group)), params)"
+        ),
+        replace=(
+            "        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)\n"
+            "        vector_to_parameters(flat, params)"
+        ),
+    ),
+    Mutant(
+        todo=5,
+        what="flattened with torch.cat and copied back piece by piece",
+        find=(
+            "        flat = parameters_to_vector(params)\n"
+            "        dist.all_reduce(flat, group=group)\n"
+            "        vector_to_parameters(flat.div_(dist.get_world_size(group)), params)"
+        ),
+        replace=(
+            "        flat = torch.cat([p.reshape(-1) for p in params])\n"
+            "        dist.all_reduce(flat, group=group)\n"
+            "        flat /= dist.get_world_size(group)\n"
+            "        for p, piece in zip(params, flat.split([p.numel() for p in params])):\n"
+            "            p.copy_(piece.view_as(p))"
+        ),
     ),
 ]

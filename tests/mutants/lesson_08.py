@@ -3,6 +3,8 @@ lesson's tests must catch, naming the TODO (python -m tests.mutants, make mutant
 
 from tests.mutants import Mutant
 
+COMMENT_MAY_NAME = {}  # the comments name no code of their own: the function docstrings give the contracts
+
 MUTANTS = [
     # TODO 1: what a checkpoint holds
     Mutant(todo=1, what="saves the model but not the optimizer (AdamW's moments restart at zero)",
@@ -51,4 +53,79 @@ MUTANTS = [
            find='    scheduler.load_state_dict(meta["scheduler"])', replace="    pass"),
     Mutant(todo=4, what="restarts the list of losses",
            find='    progress.losses = list(meta["losses"])', replace="    progress.losses = []"),
+]  # fmt: skip
+
+VARIANTS = [  # correct answers written another way: each TODO's tests must accept them
+    # TODO 1: what a checkpoint holds
+    Mutant(todo=1, what="the model's and the optimizer's state dicts by their own functions",
+           find='    model_state, optimizer_state = get_state_dict(model, optimizer)\n'
+                '    sharded = {"model": model_state, "optimizer": optimizer_state}\n',
+           replace="    from torch.distributed.checkpoint.state_dict import get_model_state_dict\n"
+                   "    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict\n\n"
+                   '    sharded = {"model": get_model_state_dict(model), '
+                   '"optimizer": get_optimizer_state_dict(model, optimizer)}\n'),
+    Mutant(todo=1, what="the shared part written out key by key, the losses copied with .copy()",
+           find='    shared = {**asdict(progress), "scheduler": scheduler.state_dict()}\n'
+                '    shared["losses"] = list(progress.losses)  # a copy: the run goes on appending to its own list\n',
+           replace='    shared = {"step": progress.step, "epoch": progress.epoch, "offset": progress.offset,\n'
+                   '              "losses": progress.losses.copy(), "scheduler": scheduler.state_dict()}\n'),
+    Mutant(todo=1, what="the generator's state through torch.random, the dict built in one expression",
+           find='    rng = {"torch": torch.get_rng_state()}\n'
+                '    if torch.cuda.is_available():\n'
+                '        rng["cuda"] = torch.cuda.get_rng_state()\n'
+                '    per_rank = {"rng": rng}\n',
+           replace='    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}\n'
+                   '    per_rank = {"rng": {"torch": torch.random.get_rng_state(), **cuda}}\n'),
+    # TODO 2: the atomic publish
+    Mutant(todo=2, what="os.replace publishes the folder, os.rename replaces the pointer (both atomic on POSIX)",
+           find="    os.rename(staging, final)\n    fsync_dir(checkpoint_dir)\n"
+                "    pointer_tmp = checkpoint_dir / f\"{POINTER}.tmp\"\n"
+                "    write_durably(pointer_tmp, (final.name + \"\\n\").encode())\n"
+                "    os.replace(pointer_tmp, checkpoint_dir / POINTER)\n",
+           replace="    os.replace(staging, final)\n    fsync_dir(checkpoint_dir)\n"
+                   "    pointer_tmp = checkpoint_dir / f\"{POINTER}.tmp\"\n"
+                   "    write_durably(pointer_tmp, (final.name + \"\\n\").encode())\n"
+                   "    os.rename(pointer_tmp, checkpoint_dir / POINTER)\n"),
+    Mutant(todo=2, what="the pointer written to a uniquely named temporary file (tempfile.mkstemp) with its own fsync",
+           find="    pointer_tmp = checkpoint_dir / f\"{POINTER}.tmp\"\n"
+                "    write_durably(pointer_tmp, (final.name + \"\\n\").encode())\n"
+                "    os.replace(pointer_tmp, checkpoint_dir / POINTER)\n",
+           replace="    descriptor, pointer_tmp = tempfile.mkstemp(dir=checkpoint_dir, prefix=POINTER)\n"
+                   "    with os.fdopen(descriptor, \"w\") as file:\n"
+                   "        file.write(final.name + \"\\n\")\n"
+                   "        file.flush()\n"
+                   "        os.fsync(file.fileno())\n"
+                   "    os.replace(pointer_tmp, checkpoint_dir / POINTER)\n"),
+    Mutant(todo=2, what="the sizes read with os.scandir, META written and fsync'ed by hand",
+           find="    files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}\n"
+                "    write_durably(staging / META, json.dumps({**shared, \"files\": files}, indent=1).encode())\n",
+           replace="    files = {e.name: e.stat().st_size for e in os.scandir(staging) if e.is_file()}\n"
+                   "    with open(staging / META, \"w\") as file:\n"
+                   "        json.dump({**shared, \"files\": files}, file)\n"
+                   "        file.flush()\n"
+                   "        os.fsync(file.fileno())\n"),
+    # TODO 3: the newest complete checkpoint
+    Mutant(todo=3, what="sorted by the step number, not the name",
+           find='sorted(checkpoint_dir.glob("step-*"), reverse=True)',
+           replace='sorted(checkpoint_dir.glob("step-*"), key=lambda f: int(f.name.split("-")[-1]), reverse=True)'),
+    Mutant(todo=3, what="one pass over the folder: the published ones newest first, the partial ones named first",
+           find="    for partial in sorted(checkpoint_dir.glob(STAGING + \"*\")):\n"
+                "        print(f\"ignoring {partial.name}: a save that never finished (partial checkpoint)\", "
+                "flush=True)\n"
+                "    for folder in sorted(checkpoint_dir.glob(\"step-*\"), reverse=True):\n",
+           replace="    names = sorted((p for p in checkpoint_dir.iterdir() if p.is_dir()), key=lambda p: p.name)\n"
+                   "    for partial in (p for p in names if p.name.startswith(STAGING)):\n"
+                   "        print(f\"ignoring {partial.name}: a save that never finished\", flush=True)\n"
+                   "    for folder in reversed([p for p in names if p.name.startswith(\"step-\")]):\n"),
+    # TODO 4: putting the run back
+    Mutant(todo=4, what="the progress set field by field with setattr, the losses list taken as loaded",
+           find='    progress.step, progress.epoch, progress.offset = meta["step"], meta["epoch"], meta["offset"]\n'
+                '    progress.losses = list(meta["losses"])\n',
+           replace='    for key in ("step", "epoch", "offset", "losses"):\n'
+                   '        setattr(progress, key, meta[key])\n'),
+    Mutant(todo=4, what="the RNG first, through torch.random, then the schedule",
+           find='    scheduler.load_state_dict(meta["scheduler"])\n',
+           replace='    if per_rank is not None:\n'
+                   '        torch.random.set_rng_state(per_rank["rng"]["torch"])\n'
+                   '    scheduler.load_state_dict(meta["scheduler"])\n'),
 ]  # fmt: skip

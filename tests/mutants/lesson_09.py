@@ -213,7 +213,60 @@ MUTANTS = [
            find=ORDERED, replace=ORDERED.replace("is_causal=True", "is_causal=False")),
 ]  # fmt: skip
 
+OWN_SHARE_AT_HOME = (  # TODO 5 with N - 1 gradient hops: the owner keeps its share, the others' come to it
+    "        if step == 0:\n"
+    "            own = d_kv  # this rank's share of its own block stays home\n"
+    "        else:\n"
+    "            if travelling is not None:\n"
+    "                d_kv += travelling.wait()\n"
+    "            travelling = ring.start(d_kv, send_to=next_rank, receive_from=previous_rank)\n"
+    "        if step < ring.size - 1:\n"
+    "            kv = pending.wait()\n"
+    "    d_kv = own if travelling is None else own + travelling.wait()\n"
+)
+SPLIT = (  # TODO 1, from the contiguous chunk to the end
+    "        size = seq_len // world_size\n"
+    "        return torch.arange(rank * size, (rank + 1) * size)\n"
+    "    size = seq_len // (2 * world_size)\n"
+    "    mirror = 2 * world_size - 1 - rank\n"
+    "    return torch.cat([torch.arange(rank * size, (rank + 1) * size), "
+    "torch.arange(mirror * size, (mirror + 1) * size)])\n"
+)
+TO_SEQUENCE = (  # TODO 7
+    "    blocks = y.reshape(batch, heads, world_size, tokens // world_size, head_dim).permute(2, 0, 1, 3, 4)\n"
+    "    received = all_to_all(blocks)\n"
+    "    return received.transpose(0, 1).reshape(batch, world_size * heads, tokens // world_size, head_dim)\n"
+)
+MERGE_SHARES = (
+    '    shift = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # nothing seen yet: both shares exp(-inf) = 0\n'
+    "    out = out * torch.exp(lse - shift)[..., None] + block_out * torch.exp(block_lse - shift)[..., None]\n"
+)
+INVERSE = "    return heads_to_sequence(out[..., torch.argsort(order), :], world_size, all_to_all)\n"
+
 VARIANTS = [  # correct answers, written another way: every TODO's check must pass them
+    Mutant(todo=1, what="the places cut with tensor_split (contiguous) and chunk (zigzag)",
+           find=SPLIT,
+           replace="        return torch.arange(seq_len).tensor_split(world_size)[rank]\n"
+                   "    chunks = torch.arange(seq_len).chunk(2 * world_size)\n"
+                   "    return torch.cat([chunks[rank], chunks[-1 - rank]])\n"),
+    Mutant(todo=3, what="the two shares as a softmax over the two log-sum-exps",
+           find=MERGE_SHARES,
+           replace="    shares = torch.softmax(torch.stack([lse, block_lse]), dim=0).nan_to_num(0.0)[..., None]\n"
+                   "    out = out * shares[0] + block_out * shares[1]\n"),
+    Mutant(todo=4, what="a pair skipped when its earliest key is after its latest query (min / max)",
+           find=SKIP, replace=SKIP.replace("k_positions[ks][0] > positions[qs][-1]",
+                                           "k_positions[ks].min() > positions[qs].max()")),
+    Mutant(todo=5, what="N - 1 gradient hops: each rank keeps its own block's share at home (no last hop)",
+           find=GRADIENT_HOP, replace=OWN_SHARE_AT_HOME),
+    Mutant(todo=7, what="the tokens cut with chunk and stacked, the heads joined with cat",
+           find=TO_SEQUENCE,
+           replace="    received = all_to_all(torch.stack(y.chunk(world_size, dim=2)))\n"
+                   "    return torch.cat(received.unbind(0), dim=1)\n"),
+    Mutant(todo=8, what="the inverse permutation written by scattering positions instead of a second argsort",
+           find=INVERSE,
+           replace="    inverse = torch.empty_like(order)\n"
+                   "    inverse[order] = torch.arange(len(order), device=order.device)\n"
+                   "    return heads_to_sequence(out[..., inverse, :], world_size, all_to_all)\n"),
     Mutant(todo=2, what="the softmax itself, its nan (a row that sees nothing) made 0",
            find="    shift = lse.masked_fill(lse == float(\"-inf\"), 0.0)  # a row that sees no key: every weight "
                 "exp(-inf) = 0\n    return torch.exp(scores - shift[..., None]) @ v, lse\n",

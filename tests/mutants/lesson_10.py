@@ -9,6 +9,11 @@ experts only, no factor E, P detached) are below.
 
 from tests.mutants import Mutant
 
+COMMENT_MAY_NAME = {  # names TODO comments may use: the APIs the learner must call, which the notebook introduces
+    "dist": "torch.distributed, as the script imports it: the counts exchange is dist.all_to_all_single",
+    "all_to_all_single": "the collective of the counts exchange (TODO 3), named in the notebook's section 4",
+}
+
 GATES = "    gates = top if k == 1 else top / top.sum(dim=-1, keepdim=True)\n"
 F_E = "    f = torch.bincount(experts.flatten(), minlength=n_experts).to(probs.dtype) / experts.numel()\n"
 SLOTS = (
@@ -118,6 +123,18 @@ MUTANTS = [
 ]  # fmt: skip
 
 VARIANTS = [  # correct answers written another way: each TODO's tests must accept them
+    Mutant(todo=1, what="the k most probable experts from a full sort instead of topk",
+           find="    top, experts = probs.topk(k, dim=-1)\n",
+           replace="    ranked, by_rank = probs.sort(dim=-1, descending=True)\n"
+                   "    top, experts = ranked[:, :k], by_rank[:, :k]\n"),
+    Mutant(todo=2, what="each expert's kept choices in reverse order of their slots (last served in slot 0)",
+           find="    slots = positions.view(k, n_tokens).t()\n",
+           replace="    slots = positions.view(k, n_tokens).t()\n"
+                   "    slots = torch.where(slots < capacity, capacity - 1 - slots, slots)\n"),
+    Mutant(todo=4, what="the results added with scatter_add on an index expanded to the rows",
+           find=ADD_BACK,
+           replace="    index = (plan.order // k)[:, None].expand(-1, back.shape[1])\n"
+                   "    return output.scatter_add(0, index, back * gates[:, None])\n"),
     # TODO 1
     Mutant(todo=1, what="at k > 1, a softmax over the chosen experts' logits (Mixtral's way: the same gates)",
            find=GATES, replace="    gates = top if k == 1 else logits.gather(1, experts).softmax(dim=-1)\n"),

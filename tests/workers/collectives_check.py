@@ -6,7 +6,6 @@ tensors with fewer elements than ranks. Rank 0 writes {todo: {shape: largest dif
 Arguments: LESSON OUT [CHECK ...] (default: every check).
 """
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -16,16 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import torch.distributed as dist
 
+from utils.course.lessons import load_script
 from utils.distributed_utils import destroy_process_group, setup
 
 SHAPES = [(1,), (3,), (5,), (4, 6), (1000,), (33, 17)]
-
-
-def load_lesson(path):
-    spec = importlib.util.spec_from_file_location("lesson01", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def rank_tensor(shape, rank):
@@ -53,7 +46,7 @@ def check(compare, world_size):
 def main():
     lesson_path, out_path = sys.argv[1], sys.argv[2]
     _, rank, _, world_size = setup(seed=0)
-    lesson = load_lesson(lesson_path)
+    lesson = load_script(lesson_path, "lesson01")
 
     def todo1_reduce_scatter(shape):
         x = rank_tensor(shape, rank)

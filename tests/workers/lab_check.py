@@ -7,7 +7,6 @@ Rank 0 writes {case: [each rank's outcome]}.
     torchrun --nproc_per_node=3 tests/workers/lab_check.py LESSON.py OUT.json skip raise shapes swap branch
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -21,14 +20,8 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the labs run on gloo, even on a GPU n
 import torch.distributed as dist  # noqa: E402
 
 from utils.course.lab import LAB_TIMEOUT_S, WITHOUT_DETAIL, run_case, wait_for_everyone  # noqa: E402
+from utils.course.lessons import load_script  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
-
-
-def load_lesson(path):
-    spec = importlib.util.spec_from_file_location("lesson_lab", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def join(store, prefix: str, rank: int, world_size: int, timeout_s: float):
@@ -46,7 +39,7 @@ def main():
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
         timeout=timedelta(seconds=120),
     )  # fmt: skip
-    lesson = load_lesson(lesson_path)
+    lesson = load_script(lesson_path, "lesson_lab")
     outcomes = {}
     for name in cases:
         wait_for_everyone(store, f"lab/{name}/start", world_size)

@@ -1,4 +1,4 @@
-"""Checks of utils.sharding's DispatchLoader (strategy 4), run under torchrun by tests/test_sharding.py.
+"""Checks of utils.lesson_02.samplers's DispatchLoader (strategy 4), run under torchrun by tests/test_sharding.py.
 
     torchrun --nproc_per_node=N tests/workers/sharding_dispatch.py RESULTS.json
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from utils.distributed_utils import destroy_process_group, run_main, setup
-from utils.sharding import DispatchLoader
+from utils.lesson_02.samplers import DispatchLoader
 
 # (dataset size, batch size per rank, drop_last, shuffle): even and uneven sizes
 CASES = [(24, 2, False, True), (25, 2, False, True), (25, 2, True, False), (7, 3, False, False)]

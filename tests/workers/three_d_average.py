@@ -29,6 +29,22 @@ def gradient(rank: int, index: int) -> torch.Tensor:
     return torch.randn(SHAPES[index], generator=torch.Generator().manual_seed(100 * rank + index))
 
 
+def looks_like(got: torch.Tensor, rank: int, index: int, mine: int) -> str:
+    """What a wrong gradient is, in words: the usual mistakes, recognised by their values."""
+    group = DP_GROUPS[mine]
+    summed = sum(gradient(peer, index) for peer in group)
+    candidates = {
+        "its own gradient, unchanged": gradient(rank, index),
+        "the sum over the group, not divided": summed,
+        "the mean over the whole world, not the DP group": sum(gradient(peer, index) for peer in range(4)) / 4,
+        f"the group's sum divided by 4, not by its size {len(group)} (divided twice, or by the world's size)": summed
+        / 4,
+    }
+    return next(
+        (words for words, value in candidates.items() if torch.allclose(got, value, atol=1e-6)), "something else"
+    )
+
+
 def main() -> int:
     spec = importlib.util.spec_from_file_location("lesson06", sys.argv[1])
     script = importlib.util.module_from_spec(spec)
@@ -54,8 +70,8 @@ def main() -> int:
         difference = float((p.grad - want).abs().max())
         if difference > 1e-6:
             problem = (
-                f"rank {rank}: parameter {index}'s gradient differs from the mean over its DP group {DP_GROUPS[mine]} "
-                f"by {difference:.1e} (sum over the group, divide by the group's size, copy back into .grad)"
+                f"rank {rank}: parameter {index}'s gradient should be the mean over its DP group {DP_GROUPS[mine]}; "
+                f"it is {looks_like(p.grad, rank, index, mine)} (off by {difference:.1e})"
             )
     problems: list = [None] * world_size
     dist.all_gather_object(problems, problem)

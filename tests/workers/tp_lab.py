@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_04_tensor_parallel.py: lesson 04's debugging lab (TODO 8, utils/tp_lab.py).
+"""Run under torchrun by tests/test_04_tensor_parallel.py: lesson 04's debugging lab (TODO 8, utils/lesson_04/lab.py).
 
 Every rank runs the lesson's train_parallel_mlp in a gloo group with a 5 s timeout (a learner's collective that some
 ranks skip ends in an error, not a hang) and puts its outcome in torchrun's store; rank 0 writes [each rank's outcome].
@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 from utils.course.lab import LAB_TIMEOUT_S, wait_for_everyone  # noqa: E402
 from utils.course.lessons import load_script  # noqa: E402
 from utils.distributed_utils import wait_for_idle_threads  # noqa: E402
-from utils.tp_lab import run_case  # noqa: E402
+from utils.lesson_04.lab import run_case  # noqa: E402
 
 
 def main():

@@ -2,13 +2,12 @@
 
     torchrun --nproc_per_node=2 tests/workers/tp_units.py exercises/04_tensor_parallel.py results.json
 
-TODOs 1, 2, 3 and 5: the learner's pieces against nn.Linear, a sum, a concatenation (utils/tensor_parallel.py).
+TODOs 1, 2, 3 and 5: the learner's pieces against nn.Linear, a sum, a concatenation (utils/lesson_04/checks.py).
 Each check depends on its own TODO only: the layers of TODOs 2 and 3 run with the reference solution's f and g,
 the block (TODO 4) and the SP gradients (TODO 6) with the reference's layers, and are compared with the course
 model on one process (utils/model.py): its loss and every gradient.
 """
 
-import importlib.util
 import json
 import sys
 import traceback
@@ -20,19 +19,15 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from utils import tensor_parallel as tp_checks  # noqa: E402
+from utils.course.lessons import lesson as course_lesson  # noqa: E402
+from utils.course.lessons import load_script  # noqa: E402
 from utils.distributed_utils import CourseError, destroy_process_group, setup  # noqa: E402
+from utils.gather import full_gradients  # noqa: E402
+from utils.lesson_04 import checks  # noqa: E402
 from utils.model import ModelConfig, build_model, loss_fn  # noqa: E402
 
 CONFIG = ModelConfig(seq_len=8, dim=16, n_heads=4, n_layers=2)
 TOLERANCE = 1e-5  # a whole model's gradients in float32
-
-
-def load(path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def one_process_gradients(tokens, targets):
@@ -55,7 +50,7 @@ def compare_model(todo: int, lesson, scaffold, group, sequence_parallel: bool, s
     mode = "with" if sequence_parallel else "without"
     if abs(float(loss) - loss_ref) > TOLERANCE:
         raise CourseError(f"TODO {todo}: the loss {mode} SP is {float(loss):.6f}, one process's {loss_ref:.6f}")
-    grads = tp_checks.full_gradients(model, group)
+    grads = full_gradients(model, group)
     for name, want in grads_ref.items():
         got = grads.get(name)
         if got is None or got.shape != want.shape:
@@ -104,10 +99,23 @@ PAIR = ("CopyToParallelRegion", "ReduceFromParallelRegion")  # the reference's f
 LAYERS = PAIR + ("GatherSequence", "ReduceScatterSequence", "Split", "Gather", "ColumnParallelLinear")
 LAYERS += ("RowParallelLinear",)
 CHECKS = {  # name: (check, the learner's names replaced by the reference's first), in TODO order
-    "todo1": (lambda lesson, scaffold, group, device: tp_checks.check_f_and_g(lesson, group, device), ()),
-    "todo5": (lambda lesson, scaffold, group, device: tp_checks.check_sequence_pair(lesson, group, device), ()),
-    "todo2": (lambda lesson, scaffold, group, device: tp_checks.check_column(lesson, group, device), PAIR),
-    "todo3": (lambda lesson, scaffold, group, device: tp_checks.check_row(lesson, group, device), PAIR),
+    "todo1": (
+        lambda lesson, scaffold, group, device: checks.check_f_and_g(
+            lesson.CopyToParallelRegion, lesson.ReduceFromParallelRegion, group, device
+        ),
+        (),
+    ),
+    "todo5": (
+        lambda lesson, scaffold, group, device: checks.check_sequence_pair(
+            lesson.GatherSequence, lesson.ReduceScatterSequence, group, device
+        ),
+        (),
+    ),
+    "todo2": (
+        lambda lesson, scaffold, group, device: checks.check_column(lesson.ColumnParallelLinear, group, device),
+        PAIR,
+    ),
+    "todo3": (lambda lesson, scaffold, group, device: checks.check_row(lesson.RowParallelLinear, group, device), PAIR),
     "todo4": (check_block, LAYERS),
     "todo6": (check_sequence_parallel_grads, LAYERS + ("tensor_parallel_block",)),
     "dtensor_refuses_sequence": (check_dtensor_refuses_sequence, ()),
@@ -117,8 +125,8 @@ CHECKS = {  # name: (check, the learner's names replaced by the reference's firs
 def main():
     lesson_path, out = sys.argv[1], sys.argv[2]
     _, rank, device, n = setup(0)
-    lesson = load(lesson_path, "lesson04")
-    scaffold = load(ROOT / "solutions" / "04_tensor_parallel.py", "lesson04_reference")
+    lesson = load_script(lesson_path, "lesson04_learner")
+    scaffold = course_lesson("04")
     group = dist.group.WORLD
     results = {}
     for name, (check, replaced) in CHECKS.items():

@@ -71,19 +71,19 @@ INTERNALS = [
     ),
     Internal(
         "torch.distributed.pipelining.stage._PipelineStageBase.forward_one_chunk",
-        "utils/pipeline_timing.py (lesson 05's schedule chart: each micro-batch's F and B timed)",
+        "utils/lesson_05/timing.py (lesson 05's schedule chart: each micro-batch's F and B timed)",
         "time each forward and backward of the built-in schedules (with schedule._stages / ._stage)",
         "torch.profiler with record_function around step(), without per-micro-batch detail",
     ),
     Internal(
         "torch.distributed.pipelining.stage._PipelineStageBase.backward_one_chunk",
-        "utils/pipeline_timing.py (lesson 05's schedule chart)",
+        "utils/lesson_05/timing.py (lesson 05's schedule chart)",
         "time each backward of the built-in schedules, as forward_one_chunk above",
         "torch.profiler with record_function around step(), without per-micro-batch detail",
     ),
     Internal(
         "source:torch.distributed.pipelining.schedules:_stages",
-        "utils/pipeline_timing.py (schedule._stages, or schedule._stage for a single-stage schedule)",
+        "utils/lesson_05/timing.py (schedule._stages, or schedule._stage for a single-stage schedule)",
         "find the stages a built-in schedule runs, to time them",
         "keep the PipelineStage objects given to the schedule and wrap those",
     ),
@@ -101,13 +101,13 @@ INTERNALS = [
     ),
     Internal(
         "source:torch.distributed.tensor._api:_local_tensor",
-        "utils/grid.py (lesson 06: is a DTensor's local shard a view of a larger buffer?)",
+        "utils/memory.py (ActivationFootprint: is a DTensor's local shard a view of a larger buffer?)",
         "read a DTensor's local shard without the autograd wrapper that to_local() adds",
         "DTensor.to_local() under torch.no_grad()",
     ),
     Internal(
         "expr:torch.ones(1)._base",
-        "utils/grid.py (lesson 06: a view's base buffer)",
+        "utils/lesson_06/placements.py, utils/memory.py (lesson 06: a view's base buffer)",
         "tell a view from a tensor that owns its storage",
         "tensor.untyped_storage().data_ptr() compared with the tensor's own data_ptr()",
     ),

@@ -69,11 +69,12 @@ def _inputs(name: str, rank: int, world_size: int):
 
 # Which function of the lesson each case calls, and what the learner must get right.
 LAB_CASES = {
-    "skip": ("count_real_tokens", "every rank calls the all-reduce, an empty batch contributing 0"),
-    "raise": ("largest_value", "an empty slice takes part in the all-reduce with -inf instead of raising"),
-    "shapes": ("gather_all", "all-gather the lengths first, pad to the longest, gather, cut the padding"),
-    "swap": ("swap_with_partner", "one partner sends first while the other receives first (or isend)"),
-    "branch": ("steps_until_converged", "decide from the averaged loss, the same number on every rank"),
+    # lesson 01: the idea, not the fix (`make hint LESSON=01 TODO=n` gives the steps, then nearly the code)
+    "skip": ("count_real_tokens", "a collective completes only once every rank of the group has called it"),
+    "raise": ("largest_value", "an empty slice must take part in the maximum with a value that never wins it"),
+    "shapes": ("gather_all", "all-gather needs one size on every rank: what must each rank learn first?"),
+    "swap": ("swap_with_partner", "a blocking send completes only once its partner receives"),
+    "branch": ("steps_until_converged", "every rank must take the same branch: decide from a value they all share"),
     # lesson 02
     "uneven": ("train_one_epoch", "every rank runs as many batches as the rank with the fewest (all-reduce MIN)"),
 }

@@ -95,6 +95,11 @@ def _launch(command: list, nproc: int, env: dict, timeout: float, script, cold: 
 # --------------------------------------------------------------------------------------------------
 
 CLUSTER_PREFIX = "course-ranks-"  # the clusters start_ranks() makes; `stop-ranks` stops only these
+# The ranks' own IPython profile, apart from ~/.ipython: JupyterLab's ipyparallel extension watches the clusters of
+# the usual profiles and, when their engines stop, prints each engine's whole log (its "received signal 15", its
+# tracebacks) into the terminal that runs the lab. Out of its sight, the ranks stop quietly; while they run, their
+# logs are files under runs/live_ranks/log/ (removed when they stop).
+PROFILE_DIR = ROOT / "runs" / "live_ranks"
 
 # Run on every engine, with {placeholders} filled per rank: join the group the way a script does.
 _JOIN = """
@@ -128,12 +133,9 @@ if dist.is_initialized():
 
 
 _LAB = """
-import importlib.util
 from utils.course.lab import run_case
-_spec = importlib.util.spec_from_file_location("lab_lesson", {path!r})
-_lesson = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_lesson)
-_lab_outcome = run_case(_lesson, {case!r})
+from utils.course.lessons import load_script
+_lab_outcome = run_case(load_script({path!r}, "lab_lesson"), {case!r})
 """
 
 
@@ -170,10 +172,12 @@ class Ranks:
             )
         self.world_size, self.seed = world_size, seed
         before = {p.pid for p in psutil.Process().children(recursive=True)}
+        PROFILE_DIR.mkdir(parents=True, exist_ok=True)
         self.cluster = ipp.Cluster(
             # The id names this process (the notebook's kernel): `stop-ranks` stops only ranks whose kernel is gone.
             n=world_size,
             cluster_id=f"{CLUSTER_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            profile_dir=str(PROFILE_DIR),
             log_level=logging.ERROR,
             # The controller finishes an engine's registration at its next heartbeat (every 3 s by default): a
             # beat each second starts the ranks seconds sooner; a rank is declared dead after 10 missed beats.
@@ -282,6 +286,8 @@ class Ranks:
                 _, still_alive = psutil.wait_procs(alive, timeout=timeout)
                 for process in still_alive:
                     kill_tree(process.pid)
+                # The controller, stopped by a signal, leaves its list of engines behind: nothing reads it again.
+                (PROFILE_DIR / "log" / f"engines{self.cluster.cluster_id}.json").unlink(missing_ok=True)
 
 
 def _visible_gpus() -> int:
@@ -328,8 +334,13 @@ def stop_leftover_ranks(even_in_use: bool = False) -> int:
     with even_in_use, those of running kernels too. Returns how many sets of ranks were stopped."""
     from ipyparallel.cluster.cluster import ClusterManager
 
+    # CRITICAL: a killed kernel's ranks may be partly gone already, which ipyparallel reports as an error per engine
+    # ("Engine 0 not running") while stopping the rest all the same; the line printed below says what was done.
+    quiet = logging.getLogger("course.live_ranks")
+    quiet.setLevel(logging.CRITICAL)
+    manager = ClusterManager(log=quiet)
     stopped = 0
-    for cluster in ClusterManager(log_level=logging.ERROR).load_clusters().values():
+    for cluster in manager.load_clusters(profile_dirs=[str(PROFILE_DIR)]).values():
         if not cluster.cluster_id.startswith(CLUSTER_PREFIX):
             continue  # not the course's
         owner = cluster.cluster_id[len(CLUSTER_PREFIX) :].split("-")[0]

@@ -5,6 +5,7 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.patches import Patch
 
+from utils import planner
 from utils.lesson_09.ring import context_summary
 from utils.lesson_09.threads import run_on_threads
 
@@ -247,3 +248,43 @@ def draw_memory(metrics: dict):
     fig.tight_layout()
     plt.show()
     return curves
+
+
+def overlap_report(timed: dict, layers: int) -> dict:
+    """overlap_table's table, then for each run the balance of its busiest and least busy rank (in blocks, exact;
+    in compute time, measured), and what zigzag's figures show: whether every hop is shorter than the ring step's
+    computation it runs beside (zigzag: every rank computes at every step). Returns overlap_table's figures."""
+    found = overlap_table(timed, layers)
+    for split, times in found.items():
+        blocks = timed[split]["attention_blocks_per_rank"]
+        print(f"{split:10s} busiest / least busy rank: {max(blocks) / min(blocks):.2f} in blocks (exact), "
+              f"{max(times['compute']) / min(times['compute']):.2f} in compute time")  # fmt: skip
+    times = found["zigzag"]
+    hidden = all(hop < step for hop, step in zip(times["hop"], times["step_compute"]))
+    print(
+        "zigzag: "
+        + (
+            "every hop is shorter than the ring step's computation it runs beside: posted first, it is "
+            "hidden, and what a rank waits for is its neighbour, still computing (its share, or other jobs on its core)"
+            if hidden
+            else "a hop takes longer than a ring step's computation: part of every transfer is waited for"
+        )
+    )
+    return found
+
+
+def fastest_by_cp(model_of, cluster, seq_lens, cps, sequences: int = 16) -> dict:
+    """Print, for each sequence length and CP degree, how many layouts fit and the fastest of them (lesson 06's
+    planner, a fused attention kernel); return {(seq_len, cp): its prediction, or None when none fits}.
+    model_of(seq_len) -> the planner's Model."""
+    print(f"{'tokens':>9s} {'cp':>3s} {'fit':>4s} {'tokens/s':>9s}  the fastest layout that fits")
+    fastest = {}
+    for seq_len in seq_lens:
+        predictions = planner.plan(model_of(seq_len), cluster, sequences, micro_batches=(1,), cps=cps,
+                                   virtual_stages=(1, 2))  # fmt: skip
+        for cp in cps:
+            fits = [pred for pred in predictions if pred.fits and pred.layout.cp == cp]
+            fastest[seq_len, cp] = fits[0] if fits else None
+            speed, layout = (fits[0].tokens_per_s, fits[0].layout) if fits else (0, "none fits")
+            print(f"{seq_len:9,d} {cp:3d} {len(fits):4d} {speed:9,.0f}  {layout}")
+    return fastest

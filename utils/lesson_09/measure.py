@@ -29,7 +29,7 @@ MEMORY_DOUBLINGS = 5  # the memory is measured at 16 x N tokens and 4 doublings 
 HOP_REPEATS = 7  # timed hops for the hop's time (the median)
 
 
-def gather(value) -> list:
+def per_rank(value) -> list:
     """[value of rank 0, value of rank 1, ...] on every rank."""
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
@@ -43,14 +43,14 @@ def run_measurements(args, ring: Ring, counter, ring_attention, chunk_positions,
         seq_lens = [16 * ring.size * 2**i for i in range(MEMORY_DOUBLINGS)]  # 64 to 1024 tokens on 4 ranks
         memory_shape = (1, args.n_heads, args.dim // args.n_heads)  # one sequence: the bytes grow with the batch
         return (ring_measurements(ring, args.steps, args.n_layers)
-                | {"ring_hop_s_per_rank": gather(hop_seconds(ring.rank, ring.size, (2, *shape), device))}
+                | {"ring_hop_s_per_rank": per_rank(hop_seconds(ring.rank, ring.size, (2, *shape), device))}
                 | attention_memory(ring_attention, chunk_positions, ring.rank, ring.size, args.cp_split, seq_lens,
                                    memory_shape, device))  # fmt: skip
     if args.impl == "ulysses":
         calls, whole = counter.table().get("step", {}).get("all_to_all", [0, 0])
         world_size = dist.get_world_size()
-        return {"all_to_all_calls_per_step": calls, "all_to_all_input_bytes_per_step": gather(whole),
-                "all_to_all_sent_bytes_per_step": gather(whole * (world_size - 1) // world_size)}  # fmt: skip
+        return {"all_to_all_calls_per_step": calls, "all_to_all_input_bytes_per_step": per_rank(whole),
+                "all_to_all_sent_bytes_per_step": per_rank(whole * (world_size - 1) // world_size)}  # fmt: skip
     return {}
 
 
@@ -58,13 +58,13 @@ def ring_measurements(ring: Ring, steps: int, n_layers: int) -> dict:
     """What the ring did per rank: per layer's forward (the work), per training step (bytes, seconds) and the last
     step's timelines: [rank][call] {"phase", "events"}, every layer's forward then every layer's backward."""
     return {
-        "attention_blocks_per_rank": gather(ring.blocks["forward"] // (steps * n_layers)),
-        "attention_scores_per_rank": gather(ring.scores["forward"] // (steps * n_layers)),
-        "attention_visible_per_rank": gather(int(ring.visible["forward"]) // (steps * n_layers)),
-        "ring_bytes_per_step": {phase: gather(ring.sent[phase] // steps) for phase in ("forward", "backward")},
-        "attention_compute_s_per_rank": gather((ring.busy_s - ring.waited_s) / steps),
-        "attention_wait_s_per_rank": gather(ring.waited_s / steps),
-        "ring_timeline_per_rank": gather(list(ring.calls)[-2 * n_layers :]),
+        "attention_blocks_per_rank": per_rank(ring.blocks["forward"] // (steps * n_layers)),
+        "attention_scores_per_rank": per_rank(ring.scores["forward"] // (steps * n_layers)),
+        "attention_visible_per_rank": per_rank(int(ring.visible["forward"]) // (steps * n_layers)),
+        "ring_bytes_per_step": {phase: per_rank(ring.sent[phase] // steps) for phase in ("forward", "backward")},
+        "attention_compute_s_per_rank": per_rank((ring.busy_s - ring.waited_s) / steps),
+        "attention_wait_s_per_rank": per_rank(ring.waited_s / steps),
+        "ring_timeline_per_rank": per_rank(list(ring.calls)[-2 * n_layers :]),
     }
 
 
@@ -165,7 +165,7 @@ def attention_memory(ring_attention, chunk_positions, rank, size, split, seq_len
     return {
         "memory_seq_lens": list(seq_lens),
         "memory_shape": list(shape),
-        "memory_ring_per_rank": gather(measured["ring"]),  # [rank][seq_len] (saved, peak)
+        "memory_ring_per_rank": per_rank(measured["ring"]),  # [rank][seq_len] (saved, peak)
         "memory_fused_one_process": measured["fused"],
         "memory_written_out_one_process": measured["written_out"],
     }

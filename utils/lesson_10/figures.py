@@ -6,6 +6,9 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
+from utils import planner
+from utils.memory import human
+
 
 def routing_table(routing, kept=None, slots=None):
     """One line per token: its experts, their gates, and (with kept and slots) each choice's slot or `x` if dropped."""
@@ -98,3 +101,30 @@ def mean_ms(function, repeats: int = 20) -> float:
     for _ in range(repeats):
         function()
     return (time.perf_counter() - start) / repeats * 1e3
+
+
+def parity_header():
+    print(f"{'run':13s} {'ranks':>5s} {'experts':>7s} {'top-k':>5s} {'dispatch':>9s} {'impl':>8s} {'dropped':>7s} "
+          f"{'final loss':>10s} {'max |diff|':>10s}")  # fmt: skip
+
+
+def parity_row(name: str, nproc: int, options, metrics: dict, difference: float, tolerance: float):
+    """One run of the parity table: its options, the choices it dropped, its final loss, and its largest parameter
+    difference from one process (shown as the bound it meets: rounding-level differences vary from run to run)."""
+    within = f"<= {tolerance:.0e}" if difference <= tolerance else f"{difference:.1e}"
+    print(f"{name:13s} {nproc:5d} {options.experts:7d} {options.top_k:5d} {options.dispatch:>9s} "
+          f"{metrics['impl']:>8s} {sum(map(sum, metrics['dropped'])):7d} {metrics['final_loss']:10.5f} "
+          f"{within:>10s}")  # fmt: skip
+
+
+def ep_table(predictions: list, gpus_per_node: int):
+    """The planner's predictions for one layout at several ep: where the EP group sits, the model state per GPU,
+    the all-to-alls' seconds, the step's, tokens/s, and whether it fits."""
+    print(f"{'ep':>3s} {'EP group':>10s} {'model state':>11s} {'all-to-all s':>12s} {'step s':>7s} {'tokens/s':>9s}"
+          "  fits")  # fmt: skip
+    for pred in predictions:
+        layout = pred.layout
+        inside = planner.inside_one_node(layout.tp, layout.ep, gpus_per_node)  # EP ranks are tp apart
+        print(f"{layout.ep:3d} {'in a node' if inside else 'two nodes':>10s} "
+              f"{human(sum(pred.model_state.values())):>11s} {pred.ep_s:12.2f} {pred.step_s:7.2f} "
+              f"{pred.tokens_per_s:9,.0f}  {pred.reason or 'yes'}")  # fmt: skip

@@ -3,7 +3,7 @@
 import argparse
 
 from utils.distributed_utils import CourseError
-from utils.training import non_negative_float, positive_int
+from utils.training import base_parser, non_negative_float, parse_args, positive_int
 
 DEFAULT_CAPACITY_FACTOR = 1.25  # GShard's and Switch's usual training value
 
@@ -55,3 +55,14 @@ def check_experts(args, world_size: int):
         )
     if args.top_k > args.experts:
         raise CourseError(f"--top-k {args.top_k} is more than --experts {args.experts}: choose at most {args.experts}")
+
+
+def script_options(argv: list) -> argparse.Namespace:
+    """The options the lesson script runs with, given its command line (values of any type): parsed, completed
+    with its defaults and checked as the script does. What the one-process reference needs to train the same model
+    on the same batches as a run (utils/lesson_10/reference.py's train_reference)."""
+    parser = base_parser("lesson 10: mixture of experts", without=("--autocast",))
+    add_expert_options(parser)
+    args = parse_args(parser, [str(value) for value in argv])
+    check_options(parser, args)
+    return args

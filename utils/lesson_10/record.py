@@ -12,6 +12,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from utils.gather import checksum as sum_of_squares
+
 
 @contextmanager
 def timed(seconds: dict, name: str, device: torch.device):
@@ -101,8 +103,6 @@ def full_weights(model, device: torch.device, keep: bool) -> tuple[dict | None, 
     dist.all_gather_object(everyone, mine)  # rank r holds experts r E/N ... (r+1) E/N - 1: rank order is expert order
     full = {name: p.detach().cpu() for name, p in model.named_parameters() if ".experts." not in name}
     full.update({name: torch.cat([part[name] for part in everyone]) for name in mine})
-    checksum = torch.tensor(
-        sum(float(p.double().pow(2).sum()) for p in full.values()), dtype=torch.float64, device=device
-    )
+    checksum = torch.tensor(sum_of_squares(full.values()), dtype=torch.float64, device=device)
     dist.broadcast(checksum, src=0)  # rank 0's figure everywhere (the same sums, added in the same order)
     return (full if keep else None), float(checksum)

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from utils.data import load_token_dataset
 from utils.model import MLP, ModelConfig, TransformerLM, build_model, init_weights, loss_fn
+from utils.training import DEFAULT_LR, batches
 
 EXPERT_WEIGHTS = ("up_weight", "up_bias", "down_weight", "down_bias")  # stacked over experts: [E, D, H], [E, H], ...
 
@@ -77,13 +78,35 @@ def reference_routing(probs: torch.Tensor, k: int, capacity_factor: float | None
     return choices, kept
 
 
-def reference_slots(choices: list[list[int]], n_experts: int) -> list[list[int]]:
-    """Each choice's place in its expert's queue (0, 1, ...), served in the same priority order as the capacity."""
-    taken, slots = [0] * n_experts, [[0] * len(row) for row in choices]
-    for i in range(len(choices[0]) if choices else 0):
-        for t, row in enumerate(choices):
-            slots[t][i], taken[row[i]] = taken[row[i]], taken[row[i]] + 1
-    return slots
+def slot_problem(choices, kept, slots, capacity: int) -> str | None:
+    """What is wrong with the slots of a capacity's decisions, or None. Within each expert the kept choices take
+    distinct slots below the capacity, in any order (the dispatch writes each token to its slot and the combine reads
+    its result back from the same one); a dropped choice's slot is at or past the capacity."""
+    choices, kept, slots = torch.as_tensor(choices), torch.as_tensor(kept).bool(), torch.as_tensor(slots)
+    if slots.shape != choices.shape:
+        return f"slots of shape {list(slots.shape)}, not the choices' {list(choices.shape)}"
+    for expert in choices.unique().tolist():
+        taken = slots[kept & (choices == expert)].tolist()
+        if len(set(taken)) != len(taken) or not all(0 <= slot < capacity for slot in taken):
+            return (
+                f"expert {expert}'s {len(taken)} kept choices take slots {sorted(taken)}: want {len(taken)} different "
+                f"slots in 0 .. {capacity - 1} (two in one slot lose a token)"
+            )
+    if bool((slots[~kept] < capacity).any()):
+        return f"a dropped choice has a slot below the capacity {capacity} (a choice is kept when its slot < capacity)"
+    return None
+
+
+def experts_pair_by_pair(experts, received: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """What a rank's experts give the rows it received, one small matmul pair per (source rank, expert), in the order
+    the rows arrived (source 0's rows for expert 0, for expert 1, ..., then source 1's): the loop that one batched
+    call replaces. experts: stacked weights up_weight [n, D, H], up_bias, down_weight [n, H, D], down_bias; counts
+    [sources, n]: the rows from each source for each expert."""
+    pairs = [expert for _ in range(counts.shape[0]) for expert in range(counts.shape[1])]
+    return torch.cat([
+        F.gelu(rows @ experts.up_weight[e] + experts.up_bias[e]) @ experts.down_weight[e] + experts.down_bias[e]
+        for e, rows in zip(pairs, received.split(counts.flatten().tolist()))
+    ])  # fmt: skip
 
 
 def reference_gate(probs_of_token: torch.Tensor, choices: list[int], expert: int) -> torch.Tensor:
@@ -154,13 +177,13 @@ def train_reference(options, groups: int, steps: int | None = None):
     config = ModelConfig(seq_len=options.seq_len, dim=options.dim, n_layers=options.n_layers, n_heads=options.n_heads)
     factor = options.capacity_factor if options.dispatch == "padded" else None
     model = reference_model(config, options.seed, options.experts, options.top_k, factor, groups=groups)
-    optimizer = torch.optim.SGD(model.parameters(), lr=options.lr)
+    lr = options.lr if options.lr is not None else DEFAULT_LR["sgd"]  # the script's default when none is given
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     data = load_token_dataset(options.dataset, options.seq_len, "train", cache_dir=options.data_dir)
     generator = torch.Generator().manual_seed(options.seed)
     loader = DataLoader(data, batch_size=groups * options.batch_size, shuffle=True, drop_last=True, generator=generator)
     losses, aux_losses = [], []
-    batches = (batch for _ in iter(int, 1) for batch in loader)  # endless: epoch after epoch
-    for _, (inputs, targets) in zip(range(steps or options.steps), batches):
+    for _, (inputs, targets) in zip(range(steps or options.steps), batches(loader)):  # epoch after epoch
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(inputs), targets)
         per_layer = [block.mlp.aux_loss for block in model.blocks]

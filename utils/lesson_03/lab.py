@@ -2,11 +2,11 @@
 
 The lab's model is small and its blocks return a dict, {"hidden": ..., "aux_loss": ...}, as library models often
 do (a mixture-of-experts block adds its router's balance loss). It is wrapped in the course's `Zero3`
-(solutions/03_zero_fsdp.py), which calls the learner's `output_tensors` to find the tensors to hook: so the lab
-checks TODO 8 alone, whatever the state of TODOs 4-6. Each rank trains one step on its slice of a batch, and
+(solutions/03_zero_fsdp.py), given the learner's `output_tensors` to find the tensors to hook: so the lab checks
+TODO 8 alone, whatever the state of TODOs 4-6. Each rank trains one step on its slice of a batch, and
 returns the squared norm of the averaged gradient, which must equal one process's on the whole batch.
 
-    torchrun --nproc_per_node=3 utils/zero_lab.py exercises/03_zero_fsdp.py --metrics-out lab.json
+    torchrun --nproc_per_node=3 utils/lesson_03/lab.py exercises/03_zero_fsdp.py --metrics-out lab.json
 
 Like the other labs (utils/course/lab.py says why): gloo even on a GPU node, a 5 s timeout on the collectives, so a
 wrong fix that leaves a rank waiting ends within seconds. Rank 0 writes every rank's outcome to --metrics-out.
@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script by torchrun: `import utils` from the course folder
     sys.path.insert(0, str(ROOT))
 
 from utils.course.lab import LAB_TIMEOUT_S, describe_error, first_cause  # noqa: E402
-from utils.course.lessons import load_script  # noqa: E402
+from utils.course.lessons import lesson, load_script  # noqa: E402
 from utils.distributed_utils import wait_for_idle_threads  # noqa: E402
 
 HINT = (  # a question that leads to the cause, not the fix: the lab is the finding
@@ -86,19 +86,17 @@ def expected_squared_norm() -> float:
     return sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())
 
 
-def run_lab(learner_script) -> dict:
-    """On every rank: one ZeRO-3 step of the lab's model with the learner's output_tensors.
-    {"value", "error", "seconds", "events"}: events are the unit gathers and frees, in order."""
+def run_lab(zero3_class, output_tensors) -> dict:
+    """On every rank: one ZeRO-3 step of the lab's model in `zero3_class` (the course's Zero3), which finds the
+    tensors to hook with `output_tensors` (the learner's). {"value", "error", "seconds", "events"}: events are
+    the unit gathers and frees, in order."""
     import torch.distributed as dist
 
-    reference = load_script(ROOT / "solutions" / "03_zero_fsdp.py", "zero_lab_reference")
-    try:
-        reference.output_tensors = load_script(learner_script, "zero_lab_learner").output_tensors  # what Zero3 calls
-    except AttributeError:
+    if output_tensors is None:
         return {"value": None, "error": "not done: the script has no output_tensors", "seconds": 0, "events": []}
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # every rank builds the same model (the one expected_squared_norm trains)
-    model = reference.Zero3(LabModel())
+    model = zero3_class(LabModel(), output_tensors=output_tensors)
     model.timeline = []
     inputs, targets = (t.chunk(world_size)[rank] for t in lab_batch())
     start = time.perf_counter()
@@ -182,7 +180,9 @@ def main():
     )  # fmt: skip
     dist.init_process_group("gloo", store=dist.PrefixStore("zero_lab/group/", store), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=LAB_TIMEOUT_S))  # fmt: skip
-    outcome = run_lab(args.script)
+    learner = load_script(args.script, "zero_lab_learner")
+    # the solution's Zero3 (TODOs 4-6 right whatever the exercise's state), the learner's output_tensors (TODO 8)
+    outcome = run_lab(lesson("03").Zero3, getattr(learner, "output_tensors", None))
     store.set(f"zero_lab/{rank}", json.dumps(outcome))  # through the store: a failed step may break the group
     if rank == 0:
         store.wait([f"zero_lab/{r}" for r in range(world_size)], timedelta(seconds=60))

@@ -24,7 +24,6 @@ from utils.distributed_utils import (
     save_full_model,
     save_sharded_model,
 )
-from utils.zero_metrics import is_zero3, is_zero_optimizer
 
 
 def checkpoint_meta(path: Path) -> Path:
@@ -95,16 +94,16 @@ def save0_json(path: Path, record: dict):
 
 
 def save_checkpoints(args, model, optimizer, strategy: str, step: int, config):
-    """--checkpoint: the full state in one file, written by rank 0 (Zero3 and ZeRO-1/2: the model only);
-    --save-dcp: every rank writes its shards. Each with its description beside it."""
+    """--checkpoint: the full state in one file, written by rank 0 (Zero3 and ZeRO-1/2, which `strategy` names:
+    the model only); --save-dcp: every rank writes its shards. Each with its description beside it."""
     describe = {"step": step, "config": vars(config), "strategy": strategy}
     if args.checkpoint:
         path = args.checkpoint
         if args.strategy == "all":
             path = path.with_stem(f"{path.stem}-{strategy}")
-        if is_zero3(model):
+        if strategy == "zero3":  # the lesson's Zero3 gathers its shards under the original names
             save0({"model": model.full_state_dict()}, path)
-        elif is_zero_optimizer(optimizer):
+        elif strategy in ("zero1", "zero2"):  # the model is whole; ZeroOptimizer's state is flat shards
             save0({"model": model.state_dict()}, path)
         else:
             save_full_model(model, optimizer, path)

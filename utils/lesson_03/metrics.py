@@ -1,8 +1,10 @@
 """Lesson 03's measurements: what each strategy built, the bytes it holds at its peak, first-step gradients.
 
-Plumbing for solutions/03_zero_fsdp.py, kept here so that the lesson's script reads as the technique. It
-recognises the lesson's classes by what they hold (`optimizer.flats`: ZeroOptimizer's buckets; `model.units`:
-Zero3's gathered units), so a learner's exercise is measured exactly like the solution.
+Plumbing for solutions/03_zero_fsdp.py, kept here so that the lesson's script reads as the technique. The script
+says what it built: `zero_optimizer=` a ZeroOptimizer (read: its buckets `flats`, `group`, `shard_gradients`),
+`zero3=` a Zero3 (read: `units`, `names`, `root`, `timeline`, `gathered_bytes()`, `holds()`, `full_state_dict()`,
+`peak_gathered_in_backward`); nothing here guesses a strategy from the objects, so a learner's exercise is
+measured exactly like the solution.
 """
 
 import math
@@ -16,18 +18,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
+from utils.collective_counter import CountCollectives
 from utils.distributed_utils import print0
-from utils.group_bytes import CountCollectives
+from utils.gather import checksum
 from utils.memory import model_state_bytes, peak_model_state_bytes
 from utils.metrics import SavedActivations, param_checksum, state_bytes
-
-
-def is_zero3(model) -> bool:
-    return hasattr(model, "units") and hasattr(model, "gathered_bytes")
-
-
-def is_zero_optimizer(optimizer) -> bool:
-    return hasattr(optimizer, "flats")
 
 
 class GradientPeak:
@@ -69,13 +64,14 @@ class Activations(SavedActivations):
         return tensor if self.is_model_state(tensor) else super()._pack(tensor)
 
 
-def built_layout(model, optimizer) -> dict:
+def built_layout(zero_optimizer=None, zero3=None) -> dict:
     """What a sharded strategy built, from every rank: ZeroOptimizer's buckets (numel, S, each rank's [lo, hi))
     and Zero3's units (numel, S, bytes of the gathered buffer, which is the root, where each parameter sits)."""
-    if is_zero_optimizer(optimizer):
-        mine = [(f["flat"].numel(), f["shard_numel"], f["lo"], f["hi"], f["shard"].numel()) for f in optimizer.flats]
-        everyone = [None] * dist.get_world_size(optimizer.group)
-        dist.all_gather_object(everyone, mine, group=optimizer.group)
+    if zero_optimizer is not None:
+        flats, group = zero_optimizer.flats, zero_optimizer.group
+        mine = [(f["flat"].numel(), f["shard_numel"], f["lo"], f["hi"], f["shard"].numel()) for f in flats]
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
         return {
             "buckets": [
                 {"numel": numel, "shard_numel": s, "ranges": [ranks[i][2:4] for ranks in everyone],
@@ -83,12 +79,12 @@ def built_layout(model, optimizer) -> dict:
                 for i, (numel, s, *_) in enumerate(mine)
             ]
         }  # fmt: skip
-    if is_zero3(model):
+    if zero3 is not None:
         return {
             "units": [
-                {"numel": u.numel, "shard_numel": u.shard_numel, "root": u is model.root,
+                {"numel": u.numel, "shard_numel": u.shard_numel, "root": u is zero3.root,
                  "gathered_bytes": u.full.numel() * u.full.element_size(), "views": unit_views(u, names)}
-                for u, names in zip(model.units, model.names)
+                for u, names in zip(zero3.units, zero3.names)
             ]
         }  # fmt: skip
     return {}
@@ -106,14 +102,14 @@ def unit_views(unit, names) -> list:
 
 
 @torch.no_grad()
-def gradient_norms(model, optimizer) -> dict | None:
+def gradient_norms(model, zero_optimizer=None, zero3=None) -> dict | None:
     """{parameter name: sum of squares of its full gradient averaged over ranks} after backward (a collective
     for sharded models), for DDP, Zero3 and FSDP2; None for ZeRO-1/2 (reduced only partly before the step)."""
-    if is_zero_optimizer(optimizer):
+    if zero_optimizer is not None:
         return None
-    if is_zero3(model):
+    if zero3 is not None:
         norms = {}
-        for unit, names in zip(model.units, model.names):
+        for unit, names in zip(zero3.units, zero3.names):
             grad = unit.shard.grad if unit.shard.grad is not None else torch.zeros_like(unit.shard)
             full = torch.empty(unit.shard_numel * dist.get_world_size(unit.group), dtype=grad.dtype, device=grad.device)
             dist.all_gather_single(full, grad.contiguous(), group=unit.group)
@@ -131,26 +127,26 @@ def gradient_norms(model, optimizer) -> dict | None:
     return norms
 
 
-def peak_bytes(model, optimizer, gradient_peak: GradientPeak, held: dict) -> dict:
+def peak_bytes(model, gradient_peak: GradientPeak, held: dict, zero3=None) -> dict:
     """Parameters and gradients at their largest during the last backward (bytes on this rank), beside `held`
     (what stays after the step). FSDP2 keeps its gathered parameters and unsharded gradients in buffers of its
     own: None there (on a GPU, torch.cuda.max_memory_allocated tells)."""
-    if is_zero3(model):
-        return {"params": held["params"] + model.peak_gathered_in_backward, "grads": gradient_peak.peak}
+    if zero3 is not None:
+        return {"params": held["params"] + zero3.peak_gathered_in_backward, "grads": gradient_peak.peak}
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return {"params": None, "grads": None}
     return {"params": held["params"], "grads": gradient_peak.peak}
 
 
-def in_flight(model, optimizer) -> dict:
+def in_flight(zero_optimizer=None, zero3=None) -> dict:
     """What exists only during backward, for utils.memory.peak_model_state_bytes: ZeRO-2's largest bucket of full
     gradients, ZeRO-3's gathered parameters (the root and the largest other unit, in elements)."""
-    if is_zero_optimizer(optimizer) and optimizer.shard_gradients:
-        return {"bucket_params": max(f["flat"].numel() for f in optimizer.flats)}
-    if is_zero3(model):
-        sizes = [u.full.numel() for u in model.units if u is not model.root]
-        root = model.root.full.numel() if model.root is not None else 0
-        return {"gathered_params": root + max(sizes, default=0), "gathered_bytes": model.units[0].full.element_size()}
+    if zero_optimizer is not None and zero_optimizer.shard_gradients:
+        return {"bucket_params": max(f["flat"].numel() for f in zero_optimizer.flats)}
+    if zero3 is not None:
+        sizes = [u.full.numel() for u in zero3.units if u is not zero3.root]
+        root = zero3.root.full.numel() if zero3.root is not None else 0
+        return {"gathered_params": root + max(sizes, default=0), "gathered_bytes": zero3.units[0].full.element_size()}
     return {}
 
 
@@ -177,23 +173,25 @@ def mesh_groups(mesh) -> dict:
     return {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
 
 
-def full_checksum(model) -> float:
-    if is_zero3(model):
-        return sum(float(t.double().pow(2).sum()) for t in model.full_state_dict().values())
+def full_checksum(model, zero3=None) -> float:
+    if zero3 is not None:
+        return checksum(zero3.full_state_dict().values())
     return param_checksum(model)
 
 
-def held_bytes(model, optimizer) -> dict:
+def held_bytes(model, optimizer, zero_optimizer=None) -> dict:
     """Bytes of parameters, gradients and optimizer state this rank holds now (measured from its tensors)."""
     held = state_bytes(model, optimizer)  # model.parameters() (local shards of DTensors), .grad, optimizer.state
-    if is_zero_optimizer(optimizer):  # ZeRO-2 keeps its gradient shards on the inner optimizer's tensors
-        held["grads"] += sum(f["shard"].grad.numel() * 4 for f in optimizer.flats if f["shard"].grad is not None)
+    if zero_optimizer is not None:  # ZeRO-2 keeps its gradient shards on the inner optimizer's tensors
+        flats = zero_optimizer.flats
+        held["grads"] += sum(f["shard"].grad.numel() * 4 for f in flats if f["shard"].grad is not None)
     return held
 
 
-def optimizer_checksum(model, optimizer) -> float | None:
-    """Sum of squares of the full optimizer state (a collective for sharded models); None for ZeRO-1/2."""
-    if is_zero_optimizer(optimizer) or is_zero3(model):
+def optimizer_checksum(model, optimizer, hand_written=False) -> float | None:
+    """Sum of squares of the full optimizer state (a collective for sharded models); None for the hand-written
+    strategies (ZeRO-1/2/3: their optimizers hold flat shards, not the model's parameters)."""
+    if hand_written:
         return None
     state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))[1]["state"]
     return sum(float(v.double().pow(2).sum()) for s in state.values() for v in s.values() if v.dim() > 0)
@@ -206,10 +204,10 @@ def average(loss) -> float:
     return loss.item()
 
 
-def is_model_state(model, tensor) -> bool:
+def is_model_state(model, zero3, tensor) -> bool:
     """Does `tensor` share memory with a parameter (sharded, or gathered for this forward)?"""
-    if is_zero3(model):
-        return model.holds(tensor)
+    if zero3 is not None:
+        return zero3.holds(tensor)
     pointer = tensor.untyped_storage().data_ptr()
     local = (p.to_local() if isinstance(p, DTensor) else p for p in model.parameters())
     return any(p.untyped_storage().data_ptr() == pointer for p in local)
@@ -226,10 +224,11 @@ class FirstStep:
 
         probe = FirstStep(model, WIRE)                 # before wrapping: it sees every full gradient
         model, optimizer, ... = wrap(...)
-        probe.wrapped(model, optimizer, mesh, record)
+        probe.wrapped(model, optimizer, mesh, record, zero_optimizer=..., zero3=...)  # what the strategy built
         with probe.measuring(step == first):           # activations, FSDP2's own collectives, ZeRO-3's timeline
             loss = ...; probe.after_forward(loss); loss.backward(); probe.after_backward()
         optimizer.step(); probe.after_step()           # the hand-written collectives' bytes of one step
+        probe.finish(estimate, counted, device)        # the record of the finished strategy
 
     Every step's time, from entering `measuring` to the end of `after_step` (forward, backward, optimizer step and
     their communication; not the data loading, the logging or the loss's averaging), goes into
@@ -241,13 +240,16 @@ class FirstStep:
         self.gradient_peak = GradientPeak(model.parameters())
         self.step_started = None
 
-    def wrapped(self, model, optimizer, mesh, record: dict):
+    def wrapped(self, model, optimizer, mesh, record: dict, zero_optimizer=None, zero3=None):
+        """What the strategy built: the model and optimizer it trains, FSDP2's mesh (or None), and the lesson's own
+        pieces when it built them (zero_optimizer: a ZeroOptimizer, ZeRO-1/2; zero3: the Zero3 module)."""
         self.model, self.optimizer, self.mesh, self.record = model, optimizer, mesh, record
-        record.update(built_layout(model, optimizer))
-        if is_zero_optimizer(optimizer):
-            self.gradient_peak.also_count(lambda flats=optimizer.flats: [f["shard"].grad for f in flats])
-        if is_zero3(model):
-            self.gradient_peak = GradientPeak(model.parameters())  # the shards: autograd accumulates their gradients
+        self.zero_optimizer, self.zero3 = zero_optimizer, zero3
+        record.update(built_layout(zero_optimizer, zero3))
+        if zero_optimizer is not None:
+            self.gradient_peak.also_count(lambda flats=zero_optimizer.flats: [f["shard"].grad for f in flats])
+        if zero3 is not None:
+            self.gradient_peak = GradientPeak(zero3.parameters())  # the shards: autograd accumulates their gradients
         for key in self.wire:
             self.wire[key] = 0
 
@@ -259,10 +261,10 @@ class FirstStep:
             yield
             return
         # Activations: bytes autograd saves for backward, not counting parameters (gathered ones included).
-        saved = Activations(partial(is_model_state, self.model))
+        saved = Activations(partial(is_model_state, self.model, self.zero3))
         library = CountCollectives(mesh_groups(self.mesh)) if self.mesh is not None else nullcontext()
-        if is_zero3(self.model):
-            self.model.timeline = []  # every gather and free of this step, in order
+        if self.zero3 is not None:
+            self.zero3.timeline = []  # every gather and free of this step, in order
         with saved, library:
             yield
         self.record["activation_bytes"] = saved.peak_bytes
@@ -272,18 +274,18 @@ class FirstStep:
     def after_forward(self, loss):
         if self.active:
             self.record["first_loss"] = average(loss)
-            if is_zero3(self.model):
-                self.record["gathered_bytes_after_forward"] = self.model.gathered_bytes()
-                self.record["forward_events"] = len(self.model.timeline)
+            if self.zero3 is not None:
+                self.record["gathered_bytes_after_forward"] = self.zero3.gathered_bytes()
+                self.record["forward_events"] = len(self.zero3.timeline)
             self.gradient_peak.reset()
 
     def after_backward(self):
         if self.active:
-            self.record["first_gradients"] = gradient_norms(self.model, self.optimizer)
-            held = held_bytes(self.model, self.optimizer)
-            self.record["peak_bytes_in_backward"] = peak_bytes(self.model, self.optimizer, self.gradient_peak, held)
-            if is_zero3(self.model):
-                self.record["gather_timeline"], self.model.timeline = self.model.timeline, None
+            self.record["first_gradients"] = gradient_norms(self.model, self.zero_optimizer, self.zero3)
+            held = held_bytes(self.model, self.optimizer, self.zero_optimizer)
+            self.record["peak_bytes_in_backward"] = peak_bytes(self.model, self.gradient_peak, held, self.zero3)
+            if self.zero3 is not None:
+                self.record["gather_timeline"], self.zero3.timeline = self.zero3.timeline, None
 
     def after_step(self):
         if self.step_started is not None:
@@ -293,30 +295,37 @@ class FirstStep:
             self.record["wire_bytes_per_step"] = dict(self.wire)
             self.active = False
 
+    def checksums(self) -> dict:
+        """The full parameters' and optimizer state's checksums now (collectives for sharded models)."""
+        hand_written = self.zero_optimizer is not None or self.zero3 is not None
+        return {"param_checksum": full_checksum(self.model, self.zero3),
+                "optimizer_checksum": optimizer_checksum(self.model, self.optimizer, hand_written)}  # fmt: skip
+
+    def finish(self, estimate: dict, counted: bool, device):
+        """A finished strategy's record: what it holds after the step beside the estimator's prediction (held and
+        peak), checksums, and the hand-written strategies' bytes on the wire (`counted`)."""
+        record, zero3 = self.record, self.zero3
+        wire = record.get("wire_bytes_per_step")
+        record.update(
+            **self.checksums(),
+            bytes_per_rank=held_bytes(self.model, self.optimizer, self.zero_optimizer),
+            estimated_bytes_per_rank=model_state_bytes(**estimate),
+            estimated_peak_bytes_in_backward=peak_model_state_bytes(
+                **estimate, **in_flight(self.zero_optimizer, zero3)
+            ),
+            gathered_bytes_after_step=zero3.gathered_bytes() if zero3 is not None else None,
+            wire_bytes_per_step=wire if counted else None,
+            wire_volume_per_step=wire_volume(wire) if counted and wire else None,
+            peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        )
+        if device.type == "cuda":
+            print0(f"{record['strategy']:>5}: peak GPU memory {record['peak_memory_bytes']:,} bytes (after wrapping)")
+
 
 def _clock() -> float:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
     return time.perf_counter()
-
-
-def finish_record(record: dict, model, optimizer, estimate: dict, counted: bool, device):
-    """A finished strategy's record: what it holds after the step beside the estimator's prediction (held and
-    peak), checksums, and the hand-written strategies' bytes on the wire (`counted`)."""
-    wire = record.get("wire_bytes_per_step")
-    record.update(
-        param_checksum=full_checksum(model),
-        optimizer_checksum=optimizer_checksum(model, optimizer),
-        bytes_per_rank=held_bytes(model, optimizer),
-        estimated_bytes_per_rank=model_state_bytes(**estimate),
-        estimated_peak_bytes_in_backward=peak_model_state_bytes(**estimate, **in_flight(model, optimizer)),
-        gathered_bytes_after_step=model.gathered_bytes() if is_zero3(model) else None,
-        wire_bytes_per_step=wire if counted else None,
-        wire_volume_per_step=wire_volume(wire) if counted and wire else None,
-        peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-    )
-    if device.type == "cuda":
-        print0(f"{record['strategy']:>5}: peak GPU memory {record['peak_memory_bytes']:,} bytes (after wrapping)")
 
 
 def report(results: dict):

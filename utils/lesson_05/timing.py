@@ -3,24 +3,29 @@
 - `now` and `record_builtin_timings`: when each F and B ran, for the from-scratch engine and the built-in schedules;
 - `measured_bubble`: one step's idle fraction from every rank's timeline;
 - `rendezvous_completes`: does a set of communication plans finish if every send waits for its receive?
-- `bubble_sweep`: `--bubble-sweep FILE`, the measured bubble at m = 1, 2, 4, 8, with where it was measured.
+- `bubble_sweep`: `--bubble-sweep FILE`, the measured bubble at m = 1, 2, 4, 8, with where it was measured, and
+  `sweep_means`: what such a file says for one schedule;
+- `forward_backward`, `median_times`: one stage's forward and backward with and without activation recomputation,
+  and their times (the notebook's last section).
 """
 
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from argparse import Namespace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from utils.course.measured import others_loaded
+from utils.course.measured import cpu_name, others_loaded
 from utils.distributed_utils import CourseError, print0
-from utils.sharding import cpu_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SWEEP_MICROBATCHES = (1, 2, 4, 8)
 
 
@@ -184,3 +189,53 @@ def bubble_sweep(train, args: Namespace, rank: int, world_size: int, device: tor
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return {**metrics, "bubble_sweep": results, "loaded": loaded}  # the last run's metrics, and the sweep
+
+
+class SweepPoint(NamedTuple):
+    m: int
+    predicted: float  # the formula (p - 1) / (m + p - 1)
+    mean: float  # the measured idle fraction over the steps after the first (the first step when it is the only one)
+    low: float
+    high: float
+
+
+def sweep_means(table: dict, schedule: str) -> list[SweepPoint]:
+    """One world size's sweep (a value of the --bubble-sweep file) for one schedule, in the order of m."""
+    points = []
+    for run in sorted((r for r in table["runs"] if r["schedule"] == schedule), key=lambda r: r["microbatches"]):
+        later = run["bubble_measured_per_step"][1:] or run["bubble_measured_per_step"]
+        points.append(SweepPoint(run["microbatches"], run["bubble_predicted"], sum(later) / len(later), min(later),
+                                 max(later)))  # fmt: skip
+    return points
+
+
+# --------------------------------------------------------------------------------------------------
+# Activation recomputation: its cost in time, on one stage in this process
+# --------------------------------------------------------------------------------------------------
+
+
+def forward_backward(stage, x: torch.Tensor, recompute: bool, backward: bool = True) -> list:
+    """The stage's blocks on x (each block checkpointed when `recompute`: only its input is kept), then a backward
+    from the sum of the output; returns [x's gradient, every parameter's gradient]."""
+    x.grad = None
+    stage.zero_grad(set_to_none=True)
+    y = x
+    for block in stage.blocks.values():
+        y = checkpoint(block, y, use_reentrant=False) if recompute else block(y)
+    if backward:
+        y.sum().backward()
+    return [x.grad, *(p.grad for p in stage.parameters())]
+
+
+def median_times(stage, x: torch.Tensor, kinds: dict, repetitions: int = 12, warm_up: int = 2) -> tuple[dict, dict]:
+    """kinds: name -> forward_backward's (recompute, backward). Runs them in turn, `repetitions` times (so that a
+    burst of load touches all of them alike); returns (median, fastest) milliseconds per name, the first `warm_up`
+    left out."""
+    times = {name: [] for name in kinds}
+    for _ in range(repetitions):
+        for name, (recompute, backward) in kinds.items():
+            start = time.perf_counter()
+            forward_backward(stage, x, recompute, backward)
+            times[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(values[warm_up:]) * 1e3 for name, values in times.items()}
+    return median, {name: min(values[warm_up:]) * 1e3 for name, values in times.items()}

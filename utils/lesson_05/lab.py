@@ -2,12 +2,12 @@
 
 The lesson's `capped_warmup(p, m, rank, max_in_flight)` says how many forwards each rank runs before its first
 backward when the first stage may hold at most `max_in_flight` micro-batches. Here each rank turns its warm-up into
-a 1F1B step list and runs it with the solution's engine (solutions/05_pipeline_parallel.py: its stages, its
+a 1F1B step list and runs it with the solution's engine (lesson("05") of utils.course.lessons: its stages, its
 batched point-to-point plan, not the learner's TODOs 4-7) on a 4-stage course model, in a gloo group with a 5 s
 timeout, so a deadlock ends in seconds. Each rank notes what it waits for before every wait; rank 0 writes every
 rank's outcome. The notebook and `make check` run the same file:
 
-    torchrun --nproc_per_node=4 utils/pipeline_lab.py exercises/05_pipeline_parallel.py --metrics-out lab.json
+    torchrun --nproc_per_node=4 utils/lesson_05/lab.py exercises/05_pipeline_parallel.py --metrics-out lab.json
 
     passed, lines = verdict(json.load(open("lab.json")))   # on one process: each rank's outcome, the cause
     message = check_warmups(lesson.capped_warmup)          # the pure-Python check, without launching anything
@@ -24,14 +24,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from utils.course.lab import wait_for_everyone  # noqa: E402
-from utils.course.lessons import load_script  # noqa: E402
+from utils.course.lessons import lesson, load_script  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
 
 STAGES, MICROBATCHES, MAX_IN_FLIGHT = 4, 4, 2  # the live run: 4 stages, 4 micro-batches, rank 0 holds at most 2
@@ -130,7 +130,7 @@ def check_warmups(capped_warmup) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# The live run: torchrun --nproc_per_node=4 utils/pipeline_lab.py LESSON.py --metrics-out FILE
+# The live run: torchrun --nproc_per_node=4 utils/lesson_05/lab.py LESSON.py --metrics-out FILE
 # --------------------------------------------------------------------------------------------------
 
 
@@ -152,11 +152,12 @@ def waited_for(batch) -> str:
     return f"stuck in batch_isend_irecv [{', '.join(ops)}]"
 
 
-def run_rank(lesson, reference, store, rank: int, world_size: int) -> dict:
-    """This rank's part of the lab: its warm-up from the lesson, its step list through the solution's engine."""
+def run_rank(capped_warmup, build_stage, run_steps, exchange, store, rank: int, world_size: int) -> dict:
+    """This rank's part of the lab: its warm-up from `capped_warmup` (the learner's), its step list through an
+    engine that is right (build_stage, run_steps and exchange of the lesson's solution)."""
     outcome = {"warmup": None, "steps": None, "error": None, "waiting_for": None, "gradient_difference": None}
     try:
-        warmup = lesson.capped_warmup(world_size, MICROBATCHES, rank, MAX_IN_FLIGHT)
+        warmup = capped_warmup(world_size, MICROBATCHES, rank, MAX_IN_FLIGHT)
         assert isinstance(warmup, int) and 0 <= warmup <= MICROBATCHES, f"returned {warmup!r}, not 0 to m"
     except NotImplementedError as error:
         outcome["error"] = f"not done: {error}"
@@ -174,12 +175,11 @@ def run_rank(lesson, reference, store, rank: int, world_size: int) -> dict:
 
     config = ModelConfig(seq_len=8, dim=16, n_heads=2, n_layers=world_size)
     model = build_model(config, seed=0)
-    stage = reference.build_stage(model, rank, world_size)
+    stage = build_stage(model, rank, world_size)
     generator = torch.Generator().manual_seed(1)
     tokens, targets = (torch.randint(0, config.vocab_size, (MICROBATCHES, config.seq_len), generator=generator)
                        for _ in "xy")  # fmt: skip
     posted = []  # the batch this rank waits for now: what it names when the wait times out
-    exchange = reference.exchange
 
     def recorded(batch, *args, **kwargs):
         posted[:] = [batch]
@@ -190,18 +190,15 @@ def run_rank(lesson, reference, store, rank: int, world_size: int) -> dict:
         "gloo", store=dist.PrefixStore("lab/run/", store), rank=rank, world_size=world_size,
         timeout=timedelta(seconds=TIMEOUT_S),
     )  # fmt: skip
-    reference.exchange = recorded  # run_steps looks it up when called
     try:
-        reference.run_steps(
+        run_steps(
             stage, steps, rank=rank, n_stages=world_size, inputs=list(tokens.chunk(MICROBATCHES)),
             targets=list(targets.chunk(MICROBATCHES)), activation_shape=(1, config.seq_len, config.dim),
-            device=torch.device("cpu"),
+            device=torch.device("cpu"), post=recorded,
         )  # fmt: skip
     except Exception as error:  # noqa: BLE001 - a timeout, or a peer that gave up first
         outcome["error"] = describe(error)
         outcome["waiting_for"] = waited_for(posted[0]) if posted else None
-    finally:
-        reference.exchange = exchange
     dist.destroy_process_group()  # no barrier: the group may be broken
     if outcome["error"] is None:  # one process on the whole batch: the gradients the pipeline must give
         whole = build_model(config, seed=0)
@@ -226,10 +223,12 @@ def main():
         timeout=timedelta(seconds=60),
     )  # fmt: skip
     torch.set_num_threads(1)
-    lesson = load_script(args.lesson.resolve(), "lab_lesson")
-    reference = load_script(ROOT / "solutions" / "05_pipeline_parallel.py", "lab_reference")
+    learner = load_script(args.lesson.resolve(), "lab_lesson")
+    engine = lesson("05")  # the solution's engine: a mistake in TODOs 4-7 must not show up as the lab's
     started = time.perf_counter()
-    outcome = run_rank(lesson, reference, store, rank, world_size)
+    outcome = run_rank(
+        learner.capped_warmup, engine.build_stage, engine.run_steps, engine.exchange, store, rank, world_size
+    )
     outcome["seconds"] = time.perf_counter() - started
     wait_for_everyone(store, "lab/end", world_size, timeout_s=60)
     dist.init_process_group("gloo", store=dist.PrefixStore("lab/results/", store), rank=rank, world_size=world_size)

@@ -133,7 +133,7 @@ def failure(outcomes: list[dict], todo: int) -> str | None:
 
 _ON_EACH_RANK = """
 from utils.course.lessons import load_script
-from utils.tp_lab import run_case
+from utils.lesson_04.lab import run_case
 _tp_lab_outcome = run_case(load_script({path!r}, "tp_lab_lesson"), load_script({reference!r}, "tp_lab_reference"))
 """
 

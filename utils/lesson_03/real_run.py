@@ -7,7 +7,7 @@
 - what a parameter is after `fully_shard`: a DTensor (placements, local shard, full tensor);
 - `CPUOffloadPolicy`, tried: what it does on this machine.
 
-    torchrun --nproc_per_node=2 utils/zero_real_run.py --metrics-out out.json
+    torchrun --nproc_per_node=2 utils/lesson_03/real_run.py --metrics-out out.json
 
 Rank 0 writes every rank's findings to --metrics-out. It runs on the CPU with gloo, even on a GPU node (the
 notebook's outputs are CPU runs), which is also why CPUOffloadPolicy is only tried here.
@@ -25,7 +25,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: setup() the
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script by torchrun: `import utils` from the course folder
     sys.path.insert(0, str(ROOT))
 
@@ -34,8 +34,9 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from utils.collective_counter import CountCollectives  # noqa: E402
+from utils.course.lessons import lesson  # noqa: E402
 from utils.distributed_utils import destroy_process_group, setup  # noqa: E402
-from utils.group_bytes import CountCollectives  # noqa: E402
 from utils.model import ModelConfig, TransformerLM, build_model, loss_fn  # noqa: E402
 
 CONFIG = ModelConfig(seq_len=32, dim=27, n_heads=3, n_layers=3)  # the notebook's model: no size divides by 2
@@ -43,11 +44,8 @@ SEED, GLOBAL_BATCH, MAX_NORM = 1, 4, 0.05
 
 
 def shard(model, mesh):
-    """The lesson's apply_fsdp: each block a unit, then the root."""
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    """The lesson's own apply_fsdp (solutions/03_zero_fsdp.py): each block a unit, then the root."""
+    return lesson("03").apply_fsdp(model, mesh)
 
 
 def full(tensor):

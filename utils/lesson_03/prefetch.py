@@ -1,7 +1,7 @@
 """FSDP2's prefetching, timed (lesson 03's section on overlap): in one training step, when each unit's all-gather
 is issued and when it returns, and when each block's forward and backward compute start and end.
 
-    torchrun --nproc_per_node=2 utils/zero_prefetch.py --metrics-out out.json
+    torchrun --nproc_per_node=2 utils/lesson_03/prefetch.py --metrics-out out.json
 
 The lesson's FSDP2 model (`fully_shard` on each block, then on the root) trains one step in three ways:
 
@@ -38,13 +38,13 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: setup() the
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script by torchrun: `import utils` from the course folder
     sys.path.insert(0, str(ROOT))
 
+from utils.course.lessons import lesson  # noqa: E402
 from utils.distributed_utils import destroy_process_group, setup  # noqa: E402
 from utils.model import ModelConfig, build_model, loss_fn  # noqa: E402
 
@@ -60,11 +60,8 @@ FSDP_SPANS = {"FSDP::all_gather": "gather", "FSDP::post_backward_reduce": "reduc
 
 
 def shard(model, mesh):
-    """The lesson's apply_fsdp: each block a unit, then the root (embeddings, final norm, head)."""
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    """The lesson's own apply_fsdp (solutions/03_zero_fsdp.py): each block a unit, then the root."""
+    return lesson("03").apply_fsdp(model, mesh)
 
 
 def set_prefetching(model, mode: str):

@@ -1,11 +1,9 @@
 """Lesson 05's plumbing: what the pipeline script needs besides the technique itself.
 
 - `check_stages`, `refuse_layout`: refuse a layout that cannot run, in one line, before any rank waits;
-- `full_parameters`: every stage's parameters gathered into the full model's state dict, and its checksum;
 - `summarise`, `report`: the run's metrics from every rank's records, and the lines rank 0 prints;
-- `batches`: endless batches from a loader, as lesson 00 takes them;
-- `schedule_order`, `simulate_order`: a built-in schedule's own order of F, I, W and B on every rank, and its
-  bubble on an ideal machine (the notebook's zero-bubble section);
+- `schedule_order`, `simulate_order`, `simulate_per_block`: a built-in schedule's own order of F, I, W and B on
+  every rank, and its bubble on an ideal machine (the notebook's zero-bubble section);
 - `forward_flops_per_token`, `cost_aware_partition`, `stage_costs`: stages balanced in compute, not in blocks
   (the notebook's last section).
 """
@@ -16,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed_utils import CourseError, print0
-from utils.pipeline_timing import measured_bubble
+from utils.lesson_05.timing import measured_bubble
 
 
 def check_stages(n_layers: int, n_stages: int):
@@ -66,22 +64,6 @@ def check_builtin_available(class_name: str | None):
         )
 
 
-def full_parameters(stage_modules, names: list[str]) -> tuple[float, dict]:
-    """(checksum, full state dict): gathered from every stage, in the full model's order (a collective).
-
-    The checksum adds each parameter's sum of squares (float64) in the full model's order, so it is bit for bit
-    utils.metrics.param_checksum of the same parameters in one process. The stages together must hold exactly
-    the model's parameters, each once: asserted."""
-    local = {name: p.detach().cpu() for module in stage_modules for name, p in module.named_parameters()}
-    everything: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, local)
-    held = [name for part in everything for name in part]
-    assert sorted(held) == sorted(names), f"the stages do not hold each of the model's parameters once: {held[:4]}"
-    merged = {name: tensor for part in everything for name, tensor in part.items()}
-    checksum = sum(float(merged[name].double().pow(2).sum()) for name in names)
-    return checksum, {name: merged[name] for name in names}
-
-
 def summarise(world_size: int, losses, timelines, peak, microbatch_bytes, *, in_flight, bubble_predicted,
               bubble_from_steps) -> dict:  # fmt: skip
     """The pipeline's metrics from every rank's records (a collective: every rank calls it). in_flight: this rank's
@@ -125,12 +107,6 @@ def report(metrics: dict, world_size: int, device: torch.device):
     print0(f"throughput: {metrics['tokens_per_s']:,.0f} tokens/s on {world_size} x {device.type}")
 
 
-def batches(loader):
-    """Endless batches: start another pass over the data whenever one ends (as lesson 00 does)."""
-    while True:
-        yield from loader
-
-
 # --------------------------------------------------------------------------------------------------
 # Zero bubble: a built-in schedule's order of actions, run on an ideal machine
 # --------------------------------------------------------------------------------------------------
@@ -153,6 +129,16 @@ def schedule_order(schedule) -> list[list[tuple[str, int, int]]] | None:
         [(kind(a), a.stage_index, a.microbatch_index) for a in order[rank] if a is not None and kind(a) in COMPUTE]
         for rank in sorted(order)
     ]
+
+
+PER_BLOCK = {"F": 1, "I": 1, "W": 1, "B": 2}  # time units per block; a whole backward (B) is I + W
+
+
+def simulate_per_block(orders, partition) -> tuple[list, Fraction]:
+    """simulate_order with each action costing PER_BLOCK[kind] times the blocks of its stage (partition: the run's
+    block ranges [start, end) per stage)."""
+    blocks = [end - start for start, end in partition]
+    return simulate_order(orders, len(blocks), lambda kind, stage: PER_BLOCK[kind] * blocks[stage])
 
 
 def simulate_order(orders, n_stages: int, cost) -> tuple[list, Fraction]:

@@ -104,7 +104,9 @@ def wrap(steps, grid, events: list, origin: float, originals: dict):
     def named(group) -> str:
         if id(group) not in dimension:
             ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
-            dimension[id(group)] = next((dim for dim, members in grid.members.items() if members == ranks), "world")
+            dimension[id(group)] = next(
+                (dim for dim, members in grid.members.items() if list(members) == ranks), "world"
+            )
         return dimension[id(group)]
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):  # async: the interval is the call's
