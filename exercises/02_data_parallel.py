@@ -172,8 +172,8 @@ class DataParallel(nn.Module):
             self._syncing = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
         # TODO 2: fill the bucket and launch the full ones in a fixed order. Store p's gradient in its bucket,
-        #   then launch whatever is ready, never out of order: hooks fire in different orders on different
-        #   ranks, yet every rank must issue the same sequence of all-reduces.
+        #   then launch whatever is ready, never out of order: hooks can fire in different orders on
+        #   different ranks, yet every rank must issue the same sequence of all-reduces.
         raise NotImplementedError("TODO 2: fill the bucket and launch the full ones in a fixed order")
 
     def _launch(self, bucket: Bucket):

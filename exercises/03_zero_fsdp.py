@@ -267,7 +267,7 @@ class _Unit:
         """The views' gradients (None for unused ones) -> this rank's shard of their average over ranks (fp32)."""
         # TODO 5: reduce-scatter the gradients into the owner's shard. Return this rank's part of the gradients
         #   averaged over ranks, reduced in fp32 and laid out as the unit's buffer (missing gradients count as
-        #   zeros); the gathered parameters are no longer needed.
+        #   zeros); the unit then awaits no more gradients, nor needs its gathered parameters.
         raise NotImplementedError("TODO 5: reduce-scatter the gradients into the owner's shard")
 
 

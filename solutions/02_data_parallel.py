@@ -179,8 +179,8 @@ class DataParallel(nn.Module):
             self._syncing = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
         # TODO 2: fill the bucket and launch the full ones in a fixed order. Store p's gradient in its bucket,
-        #   then launch whatever is ready, never out of order: hooks fire in different orders on different
-        #   ranks, yet every rank must issue the same sequence of all-reduces.
+        #   then launch whatever is ready, never out of order: hooks can fire in different orders on
+        #   different ranks, yet every rank must issue the same sequence of all-reduces.
         # HINT 1: __init__ maps each parameter to its bucket. After this one gradient, how many buckets can have
         #   become ready to go: none, one, or several at once? Which one must go first?
         # HINT 2: Put p into its bucket (Bucket.put). Then, from the next bucket to launch (self._next_to_launch)

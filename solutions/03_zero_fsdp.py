@@ -233,9 +233,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # HINT 2: reduce-scatter the padded bucket into an S-element buffer with the counting `reduce_scatter`;
         #   set the bucket's parameters' gradients to None; take the first hi - lo elements (the last rank's slice
         #   may be shorter) and add them to the shard's .grad (or make them its .grad if it has none).
-        # HINT 3: `reduce_scatter(shard, full)` into torch.empty(S): each rank receives the average of its own S
-        #   elements. Then p.grad = None for the bucket's parameters, and the shard's .grad becomes the received
-        #   [: hi - lo], added to any gradient already there. Same bytes on the wire as DDP's all-reduce (=
+        # HINT 3: `reduce_scatter(received, full, self.group)` into a new received = torch.empty(S) (not into the
+        #   shard itself): each rank receives the average of its own S elements. Then p.grad = None for the bucket's
+        #   parameters, and the shard's .grad becomes received[: hi - lo], added to any gradient already there. Same bytes on the wire as DDP's all-reduce (=
         #   reduce-scatter + all-gather, with the all-gather of the parameters after the step).
         # BEGIN SOLUTION
         reduced = torch.empty(flat["shard_numel"], dtype=full.dtype, device=full.device)
@@ -337,7 +337,7 @@ class _Unit:
         """The views' gradients (None for unused ones) -> this rank's shard of their average over ranks (fp32)."""
         # TODO 5: reduce-scatter the gradients into the owner's shard. Return this rank's part of the gradients
         #   averaged over ranks, reduced in fp32 and laid out as the unit's buffer (missing gradients count as
-        #   zeros); the gathered parameters are no longer needed.
+        #   zeros); the unit then awaits no more gradients, nor needs its gathered parameters.
         # HINT 1: the shard is a slice of one padded flat buffer: how do the views' gradients line up with it, and
         #   in which dtype should ranks add them? What is left to release once backward is done with the unit?
         # HINT 2: copy each gradient (reshaped flat, cast to the shard's dtype) at its offset in a zero buffer

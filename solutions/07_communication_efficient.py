@@ -261,8 +261,9 @@ def quantize(x: torch.Tensor, bits: int, generator: torch.Generator) -> tuple[to
     #   where a uniform draw from `generator` falls below the entry's fractional part; clamp to [-L, L] (rounding
     #   can push the largest entry just past L); cast to the code's dtype.
     # HINT 3: top = x.abs().max(); scale = top / levels (or torch.ones((), ...)); scaled = x / scale; low =
-    #   scaled.floor(); up = torch.rand(x.shape, generator=generator, dtype=x.dtype) < scaled - low; codes = (low +
-    #   up).clamp_(-levels, levels).to(torch.int8 if bits <= 8 else torch.int16); return codes, scale.
+    #   scaled.floor(); up = torch.rand(x.shape, generator=generator, dtype=x.dtype, device=x.device) < scaled -
+    #   low; codes = (low + up).clamp_(-levels, levels).to(torch.int8 if bits <= 8 else torch.int16); return codes,
+    #   scale.
     # BEGIN SOLUTION
     top = x.abs().max()
     scale = top / levels if top > 0 else torch.ones((), dtype=x.dtype, device=x.device)

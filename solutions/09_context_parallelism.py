@@ -151,10 +151,11 @@ def ring_attention_forward(q, k, v, positions, all_positions, ring: Ring):
     #   (to r + 1, from r - 1) unless it is the last step; for each piece of queries and of the owner's keys, skip the
     #   pair if its first key is after its last query, else count it, compute it (TODO 2) and merge it (TODO 3) into
     #   out and lse at the queries' piece; then wait for the next block.
-    # HINT 3: For step in range(ring.size), owner = (ring.rank - step) % ring.size. Unless last, FIRST
-    #   pending = ring.start(kv, send_to=next_rank, receive_from=previous_rank). Then for qs in pieces(positions), ks in
-    #   pieces(all_positions[owner]): continue when k_positions[ks][0] > positions[qs][-1]; else ring.count(the pieces'
-    #   positions), block_attention on the pieces, merge into out[..., qs, :], lse[..., qs]. Last, kv = pending.wait().
+    # HINT 3: For step in range(ring.size): owner = (ring.rank - step) % ring.size; unless last, FIRST
+    #   pending = ring.start(kv, send_to=next_rank, receive_from=previous_rank). Then, with k_positions =
+    #   all_positions[owner], for qs in pieces(positions), ks in pieces(k_positions): continue when
+    #   k_positions[ks][0] > positions[qs][-1]; else ring.count(the pieces' positions), block_attention on the pieces,
+    #   merge into out[..., qs, :], lse[..., qs]. At the end of the step, unless last, kv = pending.wait().
     # BEGIN SOLUTION
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
@@ -203,10 +204,11 @@ def ring_attention_backward(d_out, q, k, v, out, lse, positions, all_positions, 
     #   queries' into d_q and the keys' and values' into a fresh gradient of the held block. From step 1 on, add the
     #   sum the previous rank sent for the same block (wait for it only now), then post the sum to the next rank. At
     #   the end, the last gradient received is this rank's own (or keep its own share home: one hop fewer).
-    # HINT 3: Each step: d_kv = zeros like kv; for each pair, block_attention_backward(its q, k, v, out, d_out, lse,
-    #   positions) -> add into d_q[..., qs, :], d_kv[0][..., ks, :], d_kv[1][..., ks, :]. If a gradient is travelling:
-    #   d_kv += travelling.wait(). Then travelling = ring.start(d_kv, send_to=next_rank, receive_from=previous_rank);
-    #   unless last, kv = pending.wait(). After the loop: d_kv = travelling.wait().
+    # HINT 3: Each step, after TODO 4's owner and pending = ring.start(kv, ...): d_kv = zeros like kv; for each pair,
+    #   block_attention_backward(its q, k, v, out, d_out, lse, positions) -> add into d_q[..., qs, :],
+    #   d_kv[0][..., ks, :], d_kv[1][..., ks, :]. If a gradient is travelling: d_kv += travelling.wait(). Then
+    #   travelling = ring.start(d_kv, send_to=next_rank, receive_from=previous_rank); unless last,
+    #   kv = pending.wait(). After the loop: d_kv = travelling.wait().
     # BEGIN SOLUTION
     travelling = None  # the gradient hop in flight: the previous step's, posted and not yet waited for
     for step in range(ring.size):

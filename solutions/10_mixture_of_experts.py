@@ -165,8 +165,9 @@ def dispatch(tokens, routing: Routing, n_experts: int, exchange, group=None) -> 
     #   expert; exchange the counts with dist.all_to_all_single; sum them per rank on both sides (the splits); send
     #   the choices' tokens (choice i is token i // k) with `exchange`.
     # HINT 3: order = torch.argsort(routing.experts.flatten(), stable=True); counts = torch.bincount(..., minlength=E);
-    #   dist.all_to_all_single(recv_counts, counts); splits = counts.view(N, -1).sum(1).tolist(), likewise received;
-    #   send tokens[order // k] with exchange(rows, recv_splits, send_splits, group); return them with Plan(...).
+    #   recv_counts = an empty tensor like counts, filled by dist.all_to_all_single(recv_counts, counts, group=...);
+    #   splits = counts.view(N, -1).sum(1).tolist(), likewise received; send tokens[order // k] with
+    #   exchange(rows, recv_splits, send_splits, group); return them with Plan(order, the splits, recv_counts [N, E/N]).
     # BEGIN SOLUTION
     flat_experts = routing.experts.flatten()
     order = torch.argsort(flat_experts, stable=True)

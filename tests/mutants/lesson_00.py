@@ -32,6 +32,12 @@ MUTANTS = [
         find="with autocast(args, device):  # a no-op unless --autocast bf16",
         replace="if True:  # a no-op unless --autocast bf16",
     ),
+    Mutant(
+        todo=1,
+        what="never steps the optimizer: the gradients are computed and cleared, the weights never move",
+        find="        loss.backward()\n        optimizer.step()\n        losses.append",
+        replace="        loss.backward()\n        losses.append",
+    ),
     # TODO 2: tokens per step
     Mutant(
         todo=2,
@@ -44,6 +50,12 @@ MUTANTS = [
         what="counts the sequence length once, not per sequence",
         find="throughput.step(inputs.numel())",
         replace="throughput.step(inputs.shape[1])",
+    ),
+    Mutant(
+        todo=2,
+        what="counts a block's seq_len + 1 tokens per sequence instead of its seq_len predictions",
+        find="throughput.step(inputs.numel())",
+        replace="throughput.step(inputs.shape[0] * (inputs.shape[1] + 1))",
     ),
     # TODO 3: logging
     Mutant(
@@ -86,6 +98,14 @@ VARIANTS = [  # correct answers written another way: each TODO's check must acce
         replace="        model.zero_grad()\n        with autocast(args, device):\n            logits = model(inputs)\n"
         "            loss = loss_fn(logits, targets)\n        losses.append(float(loss))\n        loss.backward()\n"
         "        optimizer.step()\n",
+    ),
+    Mutant(
+        todo=1,
+        what="backward inside the autocast block (same gradients: backward runs in the forward's dtypes)",
+        find="        with autocast(args, device):  # a no-op unless --autocast bf16\n"
+        "            loss = loss_fn(model(inputs), targets)\n        loss.backward()\n",
+        replace="        with autocast(args, device):  # a no-op unless --autocast bf16\n"
+        "            loss = loss_fn(model(inputs), targets)\n            loss.backward()\n",
     ),
     # TODO 2: tokens per step
     Mutant(

@@ -25,6 +25,18 @@ MUTANTS = [
         find="chunks[receive_index] += incoming",
         replace="chunks[receive_index].copy_(incoming)",
     ),
+    Mutant(
+        todo=1,
+        what="rebinds the list entry (chunks[i] = chunks[i] + incoming): the sum never reaches the tensor's view",
+        find="chunks[receive_index] += incoming",
+        replace="chunks[receive_index] = chunks[receive_index] + incoming",
+    ),
+    Mutant(
+        todo=1,
+        what="sizes the receive like the chunk it sends: unequal tensor_split chunks no longer match",
+        find="incoming = buffer[: chunks[receive_index].numel()]",
+        replace="incoming = torch.empty_like(chunks[send_index])",
+    ),
     # TODO 2: the ring's all-gather phase
     Mutant(
         todo=2,
@@ -98,6 +110,12 @@ MUTANTS = [
         what="returns the padded gather (the padding zeros stay in)",
         find="return torch.cat([row[:n] for row, n in zip(gathered.view(world_size, longest), lengths.tolist())])",
         replace="return gathered",
+    ),
+    Mutant(
+        todo=6,
+        what="trims every rank's row to its own length instead of that rank's",
+        find="return torch.cat([row[:n] for row, n in zip(gathered.view(world_size, longest), lengths.tolist())])",
+        replace="return torch.cat([row[: values.numel()] for row in gathered.view(world_size, longest)])",
     ),
     # TODO 7: lab, send/recv in the wrong order
     Mutant(
@@ -214,6 +232,14 @@ VARIANTS = [  # correct answers written another way: each TODO's check must acce
         "    shard = flat.new_empty(per_rank)\n"
         "    dist.reduce_scatter_single(shard, padded, op=dist.ReduceOp.SUM, async_op=True).wait()\n"
         "    dist.all_gather_single(padded, shard, async_op=True).wait()\n",
+    ),
+    Mutant(
+        todo=3,
+        what="the list forms of the two collectives, on views of the padded tensor",
+        find="    dist.reduce_scatter_single(shard, padded, op=dist.ReduceOp.SUM)\n"
+        "    dist.all_gather_single(padded, shard)\n",
+        replace="    dist.reduce_scatter(shard, list(padded.chunk(world_size)))\n"
+        "    dist.all_gather(list(padded.chunk(world_size)), shard)\n",
     ),
     # TODO 4: lab, a collective some ranks skip
     Mutant(

@@ -42,6 +42,13 @@ MUTANTS = [
         find="        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].full():",
         replace="        if self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].full():",
     ),
+    Mutant(
+        todo=2,
+        what="launches its own bucket as soon as that one is full, whatever the buckets before it",
+        find="        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].full():\n"
+        "            self._launch(self.buckets[self._next_to_launch])\n",
+        replace="        if self._bucket_of[id(p)].full():\n            self._launch(self._bucket_of[id(p)])\n",
+    ),
     # TODO 3: the asynchronous all-reduce
     Mutant(
         todo=3,
@@ -55,6 +62,12 @@ MUTANTS = [
         find="        self.allreduce_bytes += bucket.nbytes\n",
         replace="        self.allreduce_bytes += 2 * bucket.nbytes\n",
     ),
+    Mutant(
+        todo=3,
+        what="forgets async_op=True: the all-reduce blocks (no overlap) and bucket.work holds None",
+        find="bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, async_op=True)",
+        replace="bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG)",
+    ),
     # TODO 4: wait and unpack
     Mutant(
         todo=4,
@@ -67,6 +80,12 @@ MUTANTS = [
         what="never unpacks: .grad keeps the local gradient",
         find="            bucket.work.wait()\n            bucket.unpack()",
         replace="            bucket.work.wait()",
+    ),
+    Mutant(
+        todo=4,
+        what="never forgets which parameters were put: the next backward finds every bucket full at once",
+        find="            bucket.ready.clear()\n            bucket.work = None\n",
+        replace="            bucket.work = None\n",
     ),
     # TODO 5: the global batch recipe
     Mutant(
@@ -106,6 +125,12 @@ MUTANTS = [
         what="the two paths swapped: --ddp builtin gets the hand-written wrapper",
         find='    if args.ddp == "builtin":\n        model = apply_ddp(',
         replace='    if args.ddp == "scratch":\n        model = apply_ddp(',
+    ),
+    Mutant(
+        todo=7,
+        what="--ddp scratch ignores --bucket-cap-mb: DataParallel gets its default 25 MB, one bucket",
+        find="        model = DataParallel(model, bucket_cap_mb=args.bucket_cap_mb)\n    # EXERCISE",
+        replace="        model = DataParallel(model)\n    # EXERCISE",
     ),
     # TODO 8: set_epoch
     Mutant(
@@ -343,6 +368,14 @@ VARIANTS = [  # correct answers written another way: each TODO's check must acce
         replace="    counts = [None] * world_size\n"
         "    dist.all_gather_object(counts, len(batches))\n"
         "    fewest = min(counts)\n",
+    ),
+    Mutant(
+        todo=12,
+        what="the fewest batches computed from the sample count alone: the smallest share is len // n samples",
+        find="    fewest = torch.tensor(len(batches))\n"
+        "    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)  # drop the extra batch, as "
+        "DistributedSampler(drop_last=True)\n    batches = batches[: int(fewest)]\n",
+        replace="    batches = batches[: math.ceil(len(samples) // world_size / batch_size)]\n",
     ),
     Mutant(
         todo=12,

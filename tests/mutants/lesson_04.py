@@ -14,6 +14,9 @@ MUTANTS = [
     Mutant(todo=1, what="g without its all-reduce: each rank keeps its partial sum",
            find="    return x.view_as(x) if backward else _all_reduce(x, group)",
            replace="    return x.view_as(x)"),
+    Mutant(todo=1, what="g all-reduces in backward too: the whole output gradient is summed, N times too large",
+           find="    return x.view_as(x) if backward else _all_reduce(x, group)",
+           replace="    return _all_reduce(x, group)"),
     Mutant(todo=1, what="f and g swapped: the input summed in forward, the output left a partial sum",
            find='    if which == "f":  # entering: the input is whole',
            replace='    if which == "g":  # entering: the input is whole'),
@@ -115,6 +118,13 @@ VARIANTS = [  # correct answers, written another way: every TODO's check must pa
                 '    return x.view_as(x) if backward else _all_reduce(x, group)  # leaving: the reverse\n',
            replace='    partial = {("f", True), ("g", False)}  # the cases where a rank holds a share of a sum\n'
                    '    return _all_reduce(x, group) if (which, backward) in partial else x.clone()\n'),
+    Mutant(todo=1, what="the identity written as the input itself (autograd.Function makes it a view)",
+           find='    if which == "f":  # entering: the input is whole on every rank, its gradient a partial sum\n'
+                '        return _all_reduce(x, group) if backward else x.view_as(x)\n'
+                '    return x.view_as(x) if backward else _all_reduce(x, group)  # leaving: the reverse\n',
+           replace='    if which == "f":\n'
+                   '        return _all_reduce(x, group) if backward else x\n'
+                   '    return x if backward else _all_reduce(x, group)\n'),
     # TODO 2: the matrix product written out; the gather's dimension counted from the front
     Mutant(todo=2, what='x @ weight.T + bias, not F.linear; Gather along y.dim() - 1; f in a conditional expression',
            find='        if self.copy_input:\n'
@@ -188,6 +198,9 @@ VARIANTS = [  # correct answers, written another way: every TODO's check must pa
                    '    for p in params:\n'
                    '        p.grad.copy_(flat.narrow(0, offset, p.numel()).view_as(p.grad))\n'
                    '        offset += p.numel()\n'),
+    Mutant(todo=6, what="each gradient replaced by its view of the summed buffer instead of copied into",
+           find="        p.grad.copy_(summed.view_as(p.grad))",
+           replace="        p.grad = summed.view_as(p.grad)"),
     # TODO 7: one plan for the whole model (paths blocks.i.<submodule>), applied in one call
     Mutant(todo=7, what='one plan for the whole model, keyed blocks.i.<path>, one parallelize_module call',
            find="    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout "

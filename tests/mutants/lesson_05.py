@@ -62,6 +62,9 @@ MUTANTS = [
            replace="n_microbatches, loss_fn=lambda output, target: loss(output, target) / n_microbatches)"),
     Mutant(todo=7, what="sums the micro-batches' gradients (scale_grads=False)",
            find="n_microbatches, loss_fn=loss)", replace="n_microbatches, loss_fn=loss, scale_grads=False)"),
+    Mutant(todo=7, what="the stages talk over the default group, not the pipeline's (right only when pp is the world)",
+           find="n_stages, device, group=pp_group)\n",
+           replace="n_stages, device)\n"),
     # TODO 8: the lab, capped warm-ups
     Mutant(todo=8, what="caps the warm-up at max_in_flight, not max_in_flight - 1 (the first stage holds one too many)",
            find="max_in_flight - 1, n_microbatches)", replace="max_in_flight, n_microbatches)"),

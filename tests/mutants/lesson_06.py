@@ -47,6 +47,8 @@ MUTANTS = [
            replace='return stage * grid.layout.dp * grid.layout.tp + grid.coords["tp"]'),
     Mutant(todo=5, what="stage x tp + own shard: forgets the dp replicas between two stages",
            find='return grid.members["pp"][stage]', replace='return stage * grid.layout.tp + grid.coords["tp"]'),
+    Mutant(todo=5, what="the neighbour looked up in the DP group instead of the PP group",
+           find='return grid.members["pp"][stage]', replace='return grid.members["dp"][stage]'),
     # TODO 6: the data-parallel gradient average
     Mutant(todo=6, what="sums the gradients without dividing by the group's size",
            find="    flat /= dist.get_world_size(group)\n", replace=""),
@@ -163,6 +165,9 @@ VARIANTS = [
                    "        for embedding in (stage.token_embedding, stage.position_embedding):\n"
                    "            fully_shard(embedding, mesh=mesh[\"dp\"], reshard_after_forward=one_stage)\n"
                    "    fully_shard(stage, mesh=mesh[\"dp\"])  # the root"),
+    Mutant(todo=7, what="the root wrapped with the blocks' reshard_after_forward (FSDP2 results unchanged)",
+           find='    fully_shard(stage, mesh=mesh["dp"])  # the root',
+           replace='    fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=one_stage)  # the root'),
     Mutant(todo=7, what="the pipeline's size read from the mesh's shape",
            find='one_stage = mesh["pp"].size() == 1', replace='one_stage = mesh.shape[0] == 1'),
 ]  # fmt: skip

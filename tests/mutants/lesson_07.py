@@ -21,6 +21,12 @@ MUTANTS = [
         find="    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()",
         replace="    future = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True).get_future()",
     ),
+    Mutant(
+        todo=1,
+        what="the callback returns the Future's list of tensors, not the one tensor DDP expects",
+        find="    return future.then(lambda fut: fut.value()[0].div_(n))",
+        replace="    return future.then(lambda fut: [t.div_(n) for t in fut.value()])",
+    ),
     # TODO 2: top-k with error feedback
     Mutant(
         todo=2,
@@ -77,6 +83,22 @@ MUTANTS = [
         find="        return torch.zeros_like(grad).index_add_(0, all_indices.long(), all_values).div_(n)",
         replace="        return torch.zeros_like(grad).index_add_(0, all_indices.long(), all_values)",
     ),
+    Mutant(
+        todo=2,
+        what="the positions sent as int64: 12 bytes an entry instead of 8",
+        find=(
+            "    all_indices = torch.empty(n * k, dtype=torch.int32, device=grad.device)\n"
+            "    futures = [\n"
+            "        dist.all_gather_single(all_values, values, group=state.group, async_op=True).get_future(),\n"
+            "        dist.all_gather_single(all_indices, indices.int(), group=state.group, async_op=True).get_future(),"
+        ),
+        replace=(
+            "    all_indices = torch.empty(n * k, dtype=torch.int64, device=grad.device)\n"
+            "    futures = [\n"
+            "        dist.all_gather_single(all_values, values, group=state.group, async_op=True).get_future(),\n"
+            "        dist.all_gather_single(all_indices, indices, group=state.group, async_op=True).get_future(),"
+        ),
+    ),
     # TODO 3: stochastic rounding
     Mutant(
         todo=3,
@@ -95,6 +117,18 @@ MUTANTS = [
         what="draws from the global random generator instead of `generator`",
         find="    up = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) < scaled - low",
         replace="    up = torch.rand(x.shape, device=x.device, dtype=x.dtype) < scaled - low",
+    ),
+    Mutant(
+        todo=3,
+        what="the comparison inverted: rounds up with probability 1 - the fractional part (biased)",
+        find="    up = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) < scaled - low",
+        replace="    up = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) > scaled - low",
+    ),
+    Mutant(
+        todo=3,
+        what="truncates towards zero instead of flooring: negative entries never round down (biased)",
+        find="    low = scaled.floor()\n",
+        replace="    low = scaled.trunc()\n",
     ),
     # TODO 4: the quantized exchange
     Mutant(

@@ -39,6 +39,18 @@ MUTANTS = [
     Mutant(todo=2, what="copies the staging folder instead of renaming it (not atomic)",
            find="    os.rename(staging, final)\n    fsync_dir(checkpoint_dir)\n",
            replace="    shutil.copytree(staging, final)\n    fsync_dir(checkpoint_dir)\n"),
+    Mutant(todo=2, what="points 'latest' at the new folder before renaming it into place",
+           find="    os.rename(staging, final)\n    fsync_dir(checkpoint_dir)\n"
+                "    pointer_tmp = checkpoint_dir / f\"{POINTER}.tmp\"\n"
+                "    write_durably(pointer_tmp, (final.name + \"\\n\").encode())\n"
+                "    os.replace(pointer_tmp, checkpoint_dir / POINTER)\n",
+           replace="    pointer_tmp = checkpoint_dir / f\"{POINTER}.tmp\"\n"
+                   "    write_durably(pointer_tmp, (final.name + \"\\n\").encode())\n"
+                   "    os.replace(pointer_tmp, checkpoint_dir / POINTER)\n"
+                   "    os.rename(staging, final)\n    fsync_dir(checkpoint_dir)\n"),
+    Mutant(todo=2, what="the pointer's temporary file written without fsync before it replaces 'latest'",
+           find="    write_durably(pointer_tmp, (final.name + \"\\n\").encode())",
+           replace="    pointer_tmp.write_text(final.name + \"\\n\")"),
     # TODO 3: the newest complete checkpoint
     Mutant(todo=3, what="takes the oldest checkpoint first",
            find='sorted(checkpoint_dir.glob("step-*"), reverse=True)', replace='sorted(checkpoint_dir.glob("step-*"))'),
@@ -46,6 +58,9 @@ MUTANTS = [
            find="        problem = problem_with(folder)", replace="        problem = None"),
     Mutant(todo=3, what="skips damaged folders silently",
            find='        print(f"skipping {folder.name}: {problem}", flush=True)', replace="        pass"),
+    Mutant(todo=3, what="looks at every folder, the unpublished tmp-step-* ones too (a complete one is taken)",
+           find='sorted(checkpoint_dir.glob("step-*"), reverse=True)',
+           replace="sorted((p for p in checkpoint_dir.iterdir() if p.is_dir()), reverse=True)"),
     # TODO 4: putting the run back
     Mutant(todo=4, what="does not restore the rank's RNG",
            find='        torch.set_rng_state(per_rank["rng"]["torch"])', replace="        pass"),
@@ -53,6 +68,9 @@ MUTANTS = [
            find='    scheduler.load_state_dict(meta["scheduler"])', replace="    pass"),
     Mutant(todo=4, what="restarts the list of losses",
            find='    progress.losses = list(meta["losses"])', replace="    progress.losses = []"),
+    Mutant(todo=4, what="leaves out the data position: the resumed run reads its epoch from the start",
+           find='    progress.step, progress.epoch, progress.offset = meta["step"], meta["epoch"], meta["offset"]',
+           replace='    progress.step, progress.epoch = meta["step"], meta["epoch"]'),
 ]  # fmt: skip
 
 VARIANTS = [  # correct answers written another way: each TODO's tests must accept them
@@ -104,6 +122,8 @@ VARIANTS = [  # correct answers written another way: each TODO's tests must acce
                    "        json.dump({**shared, \"files\": files}, file)\n"
                    "        file.flush()\n"
                    "        os.fsync(file.fileno())\n"),
+    Mutant(todo=2, what="pathlib's Path.rename and Path.replace (they call os.rename and os.replace)",
+           find="    os.rename(staging, final)\n", replace="    staging.rename(final)\n"),
     # TODO 3: the newest complete checkpoint
     Mutant(todo=3, what="sorted by the step number, not the name",
            find='sorted(checkpoint_dir.glob("step-*"), reverse=True)',

@@ -211,6 +211,40 @@ MUTANTS = [
            replace="heads_to_sequence(out[..., order, :], world_size, all_to_all)"),
     Mutant(todo=8, what="no causal mask: every token sees the whole sequence",
            find=ORDERED, replace=ORDERED.replace("is_causal=True", "is_causal=False")),
+    Mutant(todo=8, what="indexes the gathered tokens by their places (the inverse permutation) instead of sorting them",
+           find="    order = torch.argsort(torch.cat(all_positions))  # the gathered",
+           replace="    order = torch.cat(all_positions)  # the gathered"),
+    # more mistakes, by TODO
+    Mutant(todo=2, what="the mask broadcast the wrong way round (keys as rows, queries as columns)",
+           find="hidden = k_positions[None, :] > q_positions[:, None]",
+           replace="hidden = k_positions[:, None] > q_positions[None, :]"),
+    Mutant(todo=2, what="the log-sum-exp taken over the queries (dim=-2) instead of the keys",
+           find=LSE, replace="    lse = torch.logsumexp(scores, dim=-2)\n"),
+    Mutant(todo=3, what="each part weighted by the other's share of the normaliser",
+           find="out = out * torch.exp(lse - shift)[..., None] + block_out * torch.exp(block_lse - shift)[..., None]",
+           replace="out = out * torch.exp(block_lse - shift)[..., None] + block_out * torch.exp(lse - shift)"
+                   "[..., None]"),
+    Mutant(todo=4, what="posts the exchange and waits for it at once, then computes: nothing travels meanwhile",
+           find=FORWARD_STEP,
+           replace=FORWARD_STEP.replace(f"            pending = {POST}\n",
+                                        f"            pending = {POST}\n            arrived = pending.wait()\n")
+           .replace("            kv = pending.wait()\n", "            kv = arrived\n")),
+    Mutant(todo=4, what="posts an exchange at the last step too: N hops of keys and values instead of N - 1",
+           find="        if step < ring.size - 1:\n" + FORWARD_STEP,
+           replace=f"        pending = {POST}\n"
+                   + FORWARD_STEP.split("\n", 1)[1].replace("        if step < ring.size - 1:\n            kv = "
+                                                              "pending.wait()\n", "        kv = pending.wait()\n")),
+    Mutant(todo=5, what="posts the held block's gradient before adding the earlier ranks' shares to it",
+           find="        if travelling is not None:\n"
+                "            d_kv += travelling.wait()  # the earlier ranks' shares, sent while this rank computed\n"
+                "        travelling = ring.start(d_kv, send_to=next_rank, receive_from=previous_rank)\n",
+           replace="        sent = ring.start(d_kv, send_to=next_rank, receive_from=previous_rank)\n"
+                   "        if travelling is not None:\n"
+                   "            d_kv = d_kv + travelling.wait()\n"
+                   "        travelling = sent\n"),
+    Mutant(todo=5, what="adds the gradient coming home to the share of the last block it held",
+           find="    d_kv = travelling.wait()  # this rank's own block",
+           replace="    d_kv += travelling.wait()  # this rank's own block"),
 ]  # fmt: skip
 
 OWN_SHARE_AT_HOME = (  # TODO 5 with N - 1 gradient hops: the owner keeps its share, the others' come to it
@@ -315,4 +349,30 @@ VARIANTS = [  # correct answers, written another way: every TODO's check must pa
                    "    seen = places[None, :] <= places[:, None]\n"
                    "    out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)\n"
                    "    return heads_to_sequence(out, world_size, all_to_all)\n"),
+    Mutant(todo=8, what="TODO 2's block_attention on the gathered tokens, masked by their places",
+           find="    order = torch.argsort(torch.cat(all_positions))  # the gathered tokens, rank by rank -> sequence "
+                "order\n    out = F.scaled_dot_product_attention(" + ORDERED + ")\n" + INVERSE,
+           replace="    places = torch.cat(all_positions)\n"
+                   "    out, _ = block_attention(q, k, v, places, places)\n"
+                   "    return heads_to_sequence(out, world_size, all_to_all)\n"),
+    Mutant(todo=1, what="zigzag's two chunks picked from a [2N, T/2N] view of the places",
+           find="    mirror = 2 * world_size - 1 - rank\n"
+                "    return torch.cat([torch.arange(rank * size, (rank + 1) * size), "
+                "torch.arange(mirror * size, (mirror + 1) * size)])\n",
+           replace="    chunks = torch.arange(seq_len).view(2 * world_size, size)\n"
+                   "    return chunks[[rank, 2 * world_size - 1 - rank]].flatten()\n"),
+    Mutant(todo=4, what="the key pieces in the outer loop, the query pieces inside",
+           find="        for qs in pieces(positions):\n            for ks in pieces(k_positions):\n" + SKIP,
+           replace="        for ks in pieces(k_positions):\n            for qs in pieces(positions):\n" + SKIP),
+    Mutant(todo=6, what="the head groups split off with unflatten and moved first with movedim",
+           find="    blocks = x.reshape(batch, world_size, heads // world_size, tokens, head_dim).transpose(0, 1)\n"
+                "    received = all_to_all(blocks)\n"
+                "    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // world_size, world_size * tokens, "
+                "head_dim)\n",
+           replace="    received = all_to_all(x.unflatten(1, (world_size, -1)).movedim(1, 0))\n"
+                   "    return received.movedim(0, 2).flatten(2, 3)\n"),
+    Mutant(todo=7, what="the tokens split off with unflatten and moved first with movedim",
+           find=TO_SEQUENCE,
+           replace="    received = all_to_all(y.unflatten(2, (world_size, -1)).movedim(2, 0))\n"
+                   "    return received.movedim(0, 1).flatten(1, 2)\n"),
 ]  # fmt: skip

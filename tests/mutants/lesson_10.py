@@ -120,6 +120,17 @@ MUTANTS = [
     Mutant(todo=5, what="the averaged buffer never copied back into the replicated gradients",
            find="        gradient.copy_(average.view_as(gradient))\n    for p in experts:",
            replace="        pass\n    for p in experts:"),
+    # more mistakes, by TODO
+    Mutant(todo=1, what="at k > 1, a softmax over the chosen probabilities (not their logits): gates too even",
+           find=GATES, replace="    gates = top if k == 1 else top.softmax(dim=-1)\n"),
+    Mutant(todo=1, what="the softmax taken over the tokens (dim=0) instead of the experts",
+           find="    probs = logits.softmax(dim=-1)\n", replace="    probs = logits.softmax(dim=0)\n"),
+    Mutant(todo=2, what="capacity without k (C x T / E): at top-2 an expert gets half its even share",
+           find="capacity = math.ceil(capacity_factor * n_tokens * k / n_experts)",
+           replace="capacity = math.ceil(capacity_factor * n_tokens / n_experts)"),
+    Mutant(todo=3, what="the rows' all-to-all with its output and input splits swapped",
+           find="received = exchange(tokens[order // k], recv_splits, send_splits, group)",
+           replace="received = exchange(tokens[order // k], send_splits, recv_splits, group)"),
 ]  # fmt: skip
 
 VARIANTS = [  # correct answers written another way: each TODO's tests must accept them
@@ -171,4 +182,15 @@ VARIANTS = [  # correct answers written another way: each TODO's tests must acce
            replace="    for p in replicated:\n"
                    "        dist.all_reduce(p.grad, group=group)\n"
                    "        p.grad /= world_size\n"),
+    Mutant(todo=5, what="the replicated gradients divided by N before the all-reduce",
+           find=AVERAGE, replace="    flat /= world_size\n    dist.all_reduce(flat, group=group)\n"),
+    Mutant(todo=1, what="at k > 1, the gates normalised with F.normalize(p=1)",
+           find=GATES, replace="    gates = top if k == 1 else F.normalize(top, p=1, dim=-1)\n"),
+    Mutant(todo=3, what="the choices ordered by torch.sort's indices (stable)",
+           find=ORDER, replace="    order = flat_experts.sort(stable=True).indices\n"),
+    Mutant(todo=4, what="the results put back in choice order, then each token's k gate-weighted results summed",
+           find="    gates = routing.gates.flatten()[plan.order]\n"
+                "    output = back.new_zeros(n_tokens, back.shape[1])\n" + ADD_BACK,
+           replace="    unsorted = back[torch.argsort(plan.order)].view(n_tokens, k, -1)\n"
+                   "    return (unsorted * routing.gates[..., None]).sum(dim=1)\n"),
 ]  # fmt: skip
