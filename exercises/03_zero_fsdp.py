@@ -98,8 +98,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Each parameter group's trainable parameters are cut into buckets (in reverse order: the order in which
     backward produces their gradients; one bucket per group for ZeRO-1) and become views of one flat buffer
-    per bucket. Rank r owns the slice [r * S, (r + 1) * S) of each bucket (S = ceil(numel / N); the last rank's
-    slice may be shorter), and the inner optimizer holds state for those slices only. ZeRO-2 reduce-scatters
+    per bucket. Each rank owns one contiguous slice of each bucket (TODO 1), and the inner optimizer holds
+    state for those slices only. ZeRO-2 reduce-scatters
     a bucket's gradients as soon as backward has produced all of them and frees the full ones, so at most
     about a bucket of full gradients exists at a time. state_dict() is this rank's shard (its inner optimizer's).
     """
@@ -289,7 +289,7 @@ class Zero3(nn.Module):
     """ZeRO-3 around `module`: one unit per block of `module.blocks` (or of `units`), one for the rest (the root).
 
     Before a unit's forward its parameters are all-gathered, after it they are freed (reshard_after_forward),
-    and gathered again when backward reaches the unit (a hook on the unit's output); its gradients are then
+    and gathered again when backward reaches the unit (TODO 6); its gradients are then
     reduce-scattered into each rank's shard. compute_dtype (e.g. torch.bfloat16) is the dtype of the gathered
     parameters and of the compute; shards, gradients and optimizer state stay fp32. Parameters that do not
     require grad stay unsharded; a parameter shared by several units belongs to the root. output_tensors finds

@@ -524,7 +524,7 @@ def main():
 
 
 # --------------------------------------------------------------------------------------------------
-# Debugging lab: the hang data parallelism brings (TODO 12; notebook section 8, `make check LESSON=02`)
+# Debugging lab: the hang data parallelism brings (TODO 12; notebook section 9, `make check LESSON=02`)
 # --------------------------------------------------------------------------------------------------
 
 

@@ -115,7 +115,7 @@ def f_or_g(x: torch.Tensor, group, which: str, backward: bool) -> torch.Tensor:
 
 
 class CopyToParallelRegion(torch.autograd.Function):
-    """f: identity in forward, all-reduce in backward."""
+    """f, where a tensor-parallel region begins (what it does each way is TODO 1's)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -128,7 +128,7 @@ class CopyToParallelRegion(torch.autograd.Function):
 
 
 class ReduceFromParallelRegion(torch.autograd.Function):
-    """g: all-reduce in forward, identity in backward."""
+    """g, where a tensor-parallel region ends (what it does each way is TODO 1's)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -330,7 +330,7 @@ def sequence_f_or_g(x: torch.Tensor, group, which: str, backward: bool) -> torch
 
 
 class GatherSequence(torch.autograd.Function):
-    """SP's f: all-gather along the sequence in forward, reduce-scatter in backward."""
+    """SP's f, where the sequence-parallel part hands over to tensor parallelism (TODO 5)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -343,7 +343,7 @@ class GatherSequence(torch.autograd.Function):
 
 
 class ReduceScatterSequence(torch.autograd.Function):
-    """SP's g: reduce-scatter along the sequence in forward, all-gather in backward."""
+    """SP's g, where tensor parallelism hands back to the sequence-parallel part (TODO 5)."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -8,6 +8,13 @@ COMMENT_MAY_NAME = {
 }
 
 MUTANTS = [
+    Mutant(
+        todo=1,
+        what="waits for the all-reduce inside the hook (a Future already done: no overlap with backward)",
+        find="    return future.then(lambda fut: fut.value()[0].div_(n))\n",
+        replace="    averaged = future.then(lambda fut: fut.value()[0].div_(n))\n    averaged.wait()\n"
+        "    return averaged\n",
+    ),
     # TODO 1: the all-reduce hook
     Mutant(
         todo=1,

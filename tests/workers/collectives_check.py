@@ -55,16 +55,20 @@ def main():
         chunks = list(x.view(-1).tensor_split(world_size))
         lesson.ring_reduce_scatter(chunks)
         owned = (rank + 1) % world_size  # the chunk this rank must hold, summed, after the phase
-        return largest_gap(chunks[owned], expected.view(-1).tensor_split(world_size)[owned])
+        # Read from the tensor, not the list: the chunks are views, and the sum must land in the tensor they view.
+        return largest_gap(
+            x.view(-1).tensor_split(world_size)[owned], expected.view(-1).tensor_split(world_size)[owned]
+        )
 
     def todo2_all_gather(shape):
         total = sum(rank_tensor(shape, r) for r in range(world_size)).view(-1)
         expected_chunks = total.tensor_split(world_size)
         owned = (rank + 1) % world_size
-        chunks = [torch.full_like(c, float("nan")) for c in expected_chunks]
+        gathered = torch.full_like(total, float("nan"))
+        chunks = list(gathered.tensor_split(world_size))  # views into one tensor, as ring_all_reduce makes them
         chunks[owned].copy_(expected_chunks[owned])  # start from the state TODO 1 leaves behind
         lesson.ring_all_gather(chunks)
-        return max(largest_gap(c, e) for c, e in zip(chunks, expected_chunks))
+        return max(largest_gap(c, e) for c, e in zip(gathered.tensor_split(world_size), expected_chunks))
 
     def ring_all_reduce(shape):
         x = rank_tensor(shape, rank)

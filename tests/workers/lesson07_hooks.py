@@ -21,6 +21,7 @@ TODO) or `failed` (any other error, with its message), so that one failing check
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -124,6 +125,23 @@ def check_quantize(lesson, rank, n) -> dict:
     return results
 
 
+def check_hook_returns_at_once(lesson, rank, n) -> dict:
+    """TODO 1's hook must start the all-reduce and return without waiting for it: the last rank joins the collective
+    LATE_S seconds late, so the other ranks' Future cannot be done when their hook returns, unless it waited."""
+    gradient = torch.arange(8.0) * (rank + 1)
+    if rank == n - 1:
+        time.sleep(LATE_S)
+    future = lesson.allreduce_hook(None, FakeBucket(gradient.clone()))
+    done_on_return = future.done()
+    average = future.wait()
+    average = average[0] if isinstance(average, list) else average
+    expected = torch.arange(8.0) * sum(range(1, n + 1)) / n
+    return {"done_on_return": done_on_return, "difference": float((average - expected).abs().max())}
+
+
+LATE_S = 3.0
+
+
 class FakeBucket:
     """What the quantize hook uses of dist.GradBucket: its flat buffer and index."""
 
@@ -184,7 +202,12 @@ def check_topk_resume(lesson, rank, n) -> dict:
     }
 
 
-CHECKS = {"topk_buckets": check_topk_buckets, "quantize": check_quantize, "topk_resume": check_topk_resume}
+CHECKS = {
+    "hook_at_once": check_hook_returns_at_once,
+    "topk_buckets": check_topk_buckets,
+    "quantize": check_quantize,
+    "topk_resume": check_topk_resume,
+}
 
 
 def main():

@@ -11,7 +11,7 @@ The references are written here or in utils/lesson_10/reference.py (plain loops)
   that flow back to the gates and to the experts' results;
 - TODO 5: known gradients in, their mean (replicated) or their share (experts) out;
 - parity: the learner's whole MoE model, dropless (TODOs 1, 3, 4, 5) and padded (TODOs 1, 2, 5), against
-  utils.lesson_10.reference_model on one process with the same groups: the logits, the loss, every gradient.
+  utils.lesson_10.reference.reference_model on one process with the same groups: the logits, the loss, every gradient.
 Each check runs on its own process group, so a check that fails mid-collective does not derail the next one.
 Rank 0 prints one line per check: "RESULT <check> ok" or "RESULT <check> TODO n: what is wrong".
 """

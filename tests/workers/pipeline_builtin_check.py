@@ -36,10 +36,16 @@ def check(script, schedule: str) -> str | None:
     else:
         stages = [script.Stage(model, range(0, 2), True, True)]
     indices = list(range(len(stages)))
+    # The pipeline's group is a group of its own, not the world: in lesson 06 several pipelines run side by side,
+    # each in its own group, and a stage built without it would talk to the world's ranks instead.
+    pp_group = dist.new_group([0])
     try:
         pipeline = script.build_builtin_schedule(
-            stages, indices, len(stages), dist.group.WORLD, torch.device("cpu"), schedule, M, loss_fn
+            stages, indices, len(stages), pp_group, torch.device("cpu"), schedule, M, loss_fn
         )
+        built = getattr(pipeline, "_stages", None) or [pipeline._stage]  # where torch's schedules keep them
+        if any(stage.group is not pp_group for stage in built):
+            return f"--schedule {schedule}: the stages were built without the pipeline's group (pp_group)"
         losses = []
         pipeline.step(tokens, target=targets, losses=losses)
     except NotImplementedError as error:
