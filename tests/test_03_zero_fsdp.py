@@ -387,6 +387,10 @@ def test_todo5_reduce_gradients_returns_this_ranks_average_and_frees(edge):
             f"TODO 5: after reduce_gradients ({dtype}) the unit's gathered parameters are still allocated; expected "
             "them freed (backward is done with them)"
         )
+        assert not outcome.get("still_awaiting", False), (
+            f"TODO 5: after reduce_gradients ({dtype}) the unit still awaits gradients, expected it done: the end of "
+            "backward would reduce-scatter zeros for it a second time"
+        )
 
 
 def test_todo5_backward_holds_at_most_the_root_and_one_block(edge):

@@ -148,6 +148,7 @@ def check_reduce(lesson, device, rank, world_size):
                 expected[offset : offset + numel] = mean.reshape(-1)
             offset += numel
         unit.gathered = True  # as after a gather: reduce_gradients must free it
+        unit.awaiting_gradients = True  # as during backward: once reduced, the unit awaits no more gradients
         got = unit.reduce_gradients(grads)
         mine = expected[rank * unit.shard_numel : (rank + 1) * unit.shard_numel]
         report[label] = {
@@ -156,6 +157,7 @@ def check_reduce(lesson, device, rank, world_size):
             "expected_shape": [unit.shard_numel],
             "max_difference": float((got.float() - mine).abs().max()) if got.shape == mine.shape else None,
             "freed": not unit.gathered and unit.full.untyped_storage().nbytes() == 0,
+            "still_awaiting": bool(unit.awaiting_gradients),
         }
     return report
 
