@@ -13,6 +13,7 @@ can say which one you have read.
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from utils.course.make_exercises import HINT_LEVELS, make_exercise
@@ -62,7 +63,7 @@ def hint_text(lesson: str, number: int, level: int | None = None, root: Path = R
         else "That was the last hint. The notebook's section on this TODO, and `make check`, say the rest."
     )
     return f"Lesson {lesson}, TODO {number} ({todo.title}), hint {level} of {HINT_LEVELS}, {names[level]}:\n\n" + (
-        f"    {todo.hints[level - 1]}\n\n{more}"
+        textwrap.fill(todo.hints[level - 1], width=100, initial_indent="    ", subsequent_indent="    ") + f"\n\n{more}"
     )
 
 
