@@ -42,7 +42,7 @@ EFFECTS = {
         "--autocast": "test_autocast_bf16_is_honoured_as_in_lesson_00",
         "--ddp": "check_todo7",  # called by test_todo7_each_ddp_option_gets_its_wrapper
         "--grad-accum": "check_todo9",  # called by test_todo9_no_sync_accumulation_matches_one_large_batch
-        "--bucket-cap-mb": "test_bytes_on_the_wire_per_step",
+        "--bucket-cap-mb": "check_todo7",  # the buckets it makes, checked with --ddp
         "--lr-scaling": SHARED_RUN,
         "--trace": SHARED_RUN,
     },
