@@ -13,7 +13,6 @@ seed); the debugging lab (TODO 8) in pure Python, then on live ranks with the so
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -24,6 +23,8 @@ import torch
 
 from tests.harness.launch import ROOT, course_env, finished, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
+from tests.harness.todo_calls import call
+from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.lesson_05.lab import HINT, check_warmups, failure
@@ -54,11 +55,7 @@ SCRATCH_NEEDS = {"gpipe2": (1, 2, 4, 5, 6), "1f1b2": (1, 3, 4, 5, 6), "1f1b4": (
 @pytest.fixture(scope="module")
 def script(lesson):
     """The lesson script imported as a module (its functions, without running main)."""
-    path = lesson("05")
-    spec = importlib.util.spec_from_file_location("lesson05", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(lesson("05"), "lesson05")
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +82,6 @@ def run(lesson, tmp_path_factory):
         return done[name]
 
     return launch
-
-
-def call(todo: int, function, *args):
-    """function(*args), or a failure naming the TODO when the exercise has not done it yet or raises."""
-    try:
-        return function(*args)
-    except NotImplementedError as error:
-        pytest.fail(f"TODO {todo}: not done yet ({error})", pytrace=False)
-    except Exception as error:  # a learner's mistake that raises: name the TODO, keep the cause
-        pytest.fail(f"TODO {todo}: {function.__name__} raised {type(error).__name__}: {error}", pytrace=False)
 
 
 def weights(folder) -> dict:

@@ -13,7 +13,6 @@ timing, only on the order of what the timeline shows.
 """
 
 import argparse
-import importlib.util
 import json
 import re
 
@@ -22,7 +21,9 @@ import torch
 
 from tests.harness.launch import ROOT, course_env, finished, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext
+from tests.harness.todo_calls import call
 from utils import planner
+from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.lesson_06 import timeline as lesson06_timeline
@@ -64,10 +65,7 @@ SHAPES = [(1, 1, 1), (2, 2, 2), (1, 2, 4), (4, 2, 1), (2, 1, 4), (1, 8, 1), (8, 
 @pytest.fixture(scope="module")
 def script(lesson):
     """The lesson script imported as a module (its functions, without running main)."""
-    spec = importlib.util.spec_from_file_location("lesson06_under_test", lesson("06"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(lesson("06"), "lesson06_under_test")
 
 
 @pytest.fixture(scope="module")
@@ -111,16 +109,6 @@ def weights(folder) -> dict:
 def max_difference(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), f"different parameters: {sorted(a.keys() ^ b.keys())[:4]}"
     return max(float((a[name] - b[name]).abs().max()) for name in a)
-
-
-def call(todo: int, function, *args):
-    """function(*args), or a failure naming the TODO when the exercise has not done it yet or raises."""
-    try:
-        return function(*args)
-    except NotImplementedError as error:
-        pytest.fail(f"TODO {todo}: not done yet ({error})", pytrace=False)
-    except Exception as error:  # a learner's mistake that raises: name the TODO, keep the cause
-        pytest.fail(f"TODO {todo}: {function.__name__} raised {type(error).__name__}: {error}", pytrace=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------

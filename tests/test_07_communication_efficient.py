@@ -11,7 +11,6 @@ The hooks are also checked inside real DDP by tests/workers/lesson07_hooks.py (2
 after DDP rebuilds its buckets, a top-k resume from a checkpoint, and the quantized average for every --bits.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from tests.harness.launch import ROOT, course_env, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
+from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.model import ModelConfig, build_model, count_parameters
 
@@ -119,10 +119,7 @@ def all_gather_bytes(nbytes, n):
 
 def load_lesson(path):
     """Import the lesson script as a module (its main() does not run)."""
-    spec = importlib.util.spec_from_file_location("lesson07", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(path, "lesson07")
 
 
 @pytest.fixture(scope="module")

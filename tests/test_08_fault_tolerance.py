@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from tests.harness import launch
 from tests.harness.launch import ROOT, Run, _run, course_env, python
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
+from utils.course.lessons import load_script
 from utils.course.notebook import kill_tree
 from utils.model import ModelConfig, build_model
 
@@ -120,11 +121,7 @@ def run(background_runs):
 @pytest.fixture(scope="module")
 def module(lesson):
     """The lesson script imported as a module (its name starts with a digit: load it from its path)."""
-    path = lesson("08")
-    spec = importlib.util.spec_from_file_location("lesson08", path)
-    loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)
-    return loaded
+    return load_script(lesson("08"), "lesson08")
 
 
 def call(todo: int, function, *args, **kwargs):

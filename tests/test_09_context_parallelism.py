@@ -14,7 +14,6 @@ The training runs (ring at 3 and 4 ranks, both splits; Ulysses at 2 and 4) are c
 on one process (the same seed, batches and SGD), launched once each. No test asserts on a timing.
 """
 
-import importlib.util
 import math
 import re
 
@@ -24,6 +23,8 @@ import torch.nn.functional as F
 
 from tests.harness.launch import ROOT, course_env, finished, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext
+from tests.harness.todo_calls import call
+from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.lesson_09.options import CPU_ATTEMPT
@@ -58,20 +59,7 @@ def script_path(lesson):
 @pytest.fixture(scope="module")
 def script(script_path):
     """The lesson script imported as a module (its functions, without running main)."""
-    spec = importlib.util.spec_from_file_location("lesson09_under_test", script_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def call(todo: int, function, *args):
-    """function(*args), or a failure naming the TODO when the exercise has not done it yet or raises."""
-    try:
-        return function(*args)
-    except NotImplementedError as error:
-        pytest.fail(f"TODO {todo}: not done yet ({error})", pytrace=False)
-    except Exception as error:  # a learner's mistake that raises: name the TODO, keep the cause
-        pytest.fail(f"TODO {todo}: {function.__name__} raised {type(error).__name__}: {error}", pytrace=False)
+    return load_script(script_path, "lesson09_under_test")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -745,17 +733,22 @@ def test_todo5_the_ring_overlaps_its_exchanges(run, needs):
             continue
         metrics = finished(run(name)[0], 5)
         for rank, calls in enumerate(metrics["ring_timeline_per_rank"]):
-            assert [call["phase"] for call in calls] == ["forward"] * layers + ["backward"] * layers, (name, rank)
-            for call in calls:
-                todo = 4 if call["phase"] == "forward" else 5
-                found = in_flight(call["events"])
+            assert [ring_call["phase"] for ring_call in calls] == ["forward"] * layers + ["backward"] * layers, (
+                name,
+                rank,
+            )
+            for ring_call in calls:
+                todo = 4 if ring_call["phase"] == "forward" else 5
+                found = in_flight(ring_call["events"])
                 assert len(found) == n and all(count > 0 for count in found[:-1]), (
-                    f"TODO {todo}: {name}, rank {rank}, {call['phase']}: exchanges in flight when each step's "
+                    f"TODO {todo}: {name}, rank {rank}, {ring_call['phase']}: exchanges in flight when each step's "
                     f"computation began: {found}; post the next exchange first, then compute, then wait"
                 )
-                assert call["phase"] == "backward" or found[-1] == 0, (name, rank, found)
-                starts = [start for _, start, _ in call["events"]]
-                assert starts == sorted(starts) and all(end >= start for _, start, end in call["events"]), call
+                assert ring_call["phase"] == "backward" or found[-1] == 0, (name, rank, found)
+                starts = [start for _, start, _ in ring_call["events"]]
+                assert starts == sorted(starts) and all(end >= start for _, start, end in ring_call["events"]), (
+                    ring_call
+                )
 
 
 def test_todo5_zigzag_balances_the_causal_work(run, needs):

@@ -13,7 +13,6 @@ their own tests pass. Each launch runs once and is shared.
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import re
@@ -23,6 +22,8 @@ import torch
 
 from tests.harness.launch import ROOT, course_env, finished, python, torchrun
 from tests.harness.option_effects import fake_wikitext, passed
+from tests.harness.todo_calls import call
+from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.lesson_10.reference import reference_routing, slot_problem, train_reference
@@ -52,20 +53,7 @@ WORKER = ROOT / "tests" / "workers" / "moe_checks.py"
 @pytest.fixture(scope="module")
 def script(lesson):
     """The lesson script imported as a module (its functions, without running main)."""
-    spec = importlib.util.spec_from_file_location("lesson10_under_test", lesson("10"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def call(todo: int, function, *args):
-    """function(*args), or a failure naming the TODO when the exercise has not done it yet or raises."""
-    try:
-        return function(*args)
-    except NotImplementedError as error:
-        pytest.fail(f"TODO {todo}: not done yet ({error})", pytrace=False)
-    except Exception as error:  # a learner's mistake that raises: name the TODO, keep the cause
-        pytest.fail(f"TODO {todo}: {function.__name__} raised {type(error).__name__}: {error}", pytrace=False)
+    return load_script(lesson("10"), "lesson10_under_test")
 
 
 # ---------------------------------------------------------------------------------------------------------------
