@@ -1,6 +1,7 @@
 # The course's entry points. Each target creates the environment (.venv) first if it is missing.
 #   make lab                 open the course: JupyterLab at the course's root, showing the README (its links open the notebooks)
 #   make test                every check on the CPU: lint, exercises in sync, tests, notebooks (what CI runs)
+#   make test-lab            the lab as a participant sees it, in headless Chromium (part of make test too)
 #   make check LESSON=01     check your completed exercise for one lesson: one line per TODO
 #   make hint LESSON=06 TODO=5   the next hint for one TODO (three levels: the idea, the steps, nearly the code)
 #   make notebooks [LESSON=01]  instructors: run the notebooks (nbval), with each notebook's time
@@ -38,7 +39,7 @@ define install_torch
 	else $(1) install --quiet "torch==$(2)"; fi
 endef
 
-.PHONY: setup lab test lint check hint grade notebooks outputs mutants test-gpu test-floor exercises clean
+.PHONY: setup lab test-lab test lint check hint grade notebooks outputs mutants test-gpu test-floor exercises clean
 
 $(VENV)/.installed: requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,9 +51,17 @@ $(VENV)/.installed: requirements.txt
 setup: $(VENV)/.installed
 
 # The lab serves the whole course, so that the README (the map of the course, rendered: utils/course/lab_settings)
-# opens first and its links reach notebooks/, solutions/ and exercises/.
+# opens first and its links reach notebooks/, solutions/ and exercises/. The README is the lab's default page, so the
+# address the lab prints (to copy into a browser elsewhere: a container, an ssh tunnel) opens it too, not only the
+# browser the lab opens itself. slurm/jupyterlab.sh starts the lab the same way on a compute node.
+LAB_SETTINGS := --LabApp.app_settings_dir=$(CURDIR)/utils/course/lab_settings --LabApp.default_url=/lab/tree/README.md
 lab: setup
-	$(BIN)/jupyter lab $(LAB_FLAGS) --LabApp.app_settings_dir=$(CURDIR)/utils/course/lab_settings README.md
+	$(BIN)/jupyter lab $(LAB_FLAGS) $(LAB_SETTINGS)
+
+# The lab as a participant uses it, in a real browser (headless Chromium: tests/test_browser.py), and the command above
+# (tests/test_lab.py); both are part of make test too. The screenshots and each notebook's time go to runs/browser/.
+test-lab: setup
+	CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest tests/test_lab.py tests/test_browser.py
 
 lint: setup
 	$(BIN)/ruff check .

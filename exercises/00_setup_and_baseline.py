@@ -8,9 +8,9 @@ A small Transformer language model learns a byte-level corpus on one device: loa
 (tensorboard, optionally wandb, a progress bar) and the throughput in tokens per second.
 Lesson 02 is this script plus data parallelism, so keep the two side by side.
 
-    python solutions/00_setup_and_baseline.py                     # the generated corpus, no download
-    python solutions/00_setup_and_baseline.py --dataset wikitext  # after `python -m utils.data prepare`
-    torchrun --nproc_per_node=1 solutions/00_setup_and_baseline.py --steps 50 --metrics-out m.json
+    python exercises/00_setup_and_baseline.py                     # the generated corpus, no download
+    python exercises/00_setup_and_baseline.py --dataset wikitext  # after `python -m utils.data prepare`
+    torchrun --nproc_per_node=1 exercises/00_setup_and_baseline.py --steps 50 --metrics-out m.json
     tensorboard --logdir runs                                     # the loss curves
 """
 
@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from utils.data import load_token_dataset
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.distributed_utils import Refusal, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (
@@ -48,7 +48,7 @@ def main():
     args = parse_args(base_parser(__doc__.splitlines()[0]))
     local_rank, rank, device, world_size = setup(args.seed)
     if world_size > 1:
-        raise CourseError(
+        raise Refusal(
             f"lesson 00 is the single-device baseline: run it with 1 process, not {world_size}; "
             "lesson 02 makes it data parallel."
         )

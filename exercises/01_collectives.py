@@ -9,8 +9,8 @@ phase, then an all-gather phase) and from the reduce-scatter and all-gather coll
 both against dist.all_reduce. Part 3 measures the hand-written ring against the library. Part 4 is a
 debugging lab: five short multi-rank functions that hang or crash, for you to diagnose and fix (TODOs 4-8).
 
-    torchrun --nproc_per_node=4 solutions/01_collectives.py
-    python solutions/01_collectives.py            # a world of one: runs, but nothing to exchange
+    torchrun --nproc_per_node=4 exercises/01_collectives.py
+    python exercises/01_collectives.py            # a world of one: runs, but nothing to exchange
 """
 
 import argparse
@@ -289,12 +289,12 @@ def save_reference(path: Path, rows: list[dict], args, device, load_before: floa
         "about",
         "All-reduce time per call (median of interleaved rounds, with the fastest and slowest round) for "
         "the library, the hand-written ring (TODOs 1-2) and reduce-scatter + all-gather (TODO 3). Written by "
-        "`torchrun --nproc_per_node=N solutions/01_collectives.py --benchmark-out FILE`.",
+        "`torchrun --nproc_per_node=N exercises/01_collectives.py --benchmark-out FILE`.",
     )
     runs = reference.setdefault("runs", {})
     runs[str(dist.get_world_size())] = {
         "date": date.today().isoformat(),
-        "command": f"torchrun --nproc_per_node={dist.get_world_size()} solutions/01_collectives.py "
+        "command": f"torchrun --nproc_per_node={dist.get_world_size()} exercises/01_collectives.py "
         f"--sizes {args.sizes_text} --steps {args.steps} --benchmark-out {path}",
         "rounds": args.steps,
         "machine": machine_description(device),

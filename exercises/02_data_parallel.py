@@ -9,9 +9,9 @@ N ranks with a batch of b per rank train exactly like one process with a batch o
 The averaging is written here from scratch (DataParallel, --ddp scratch: TODOs 1-4), then done by PyTorch's
 DistributedDataParallel (--ddp builtin). Compare main() with solutions/00_setup_and_baseline.py.
 
-    torchrun --nproc_per_node=4 solutions/02_data_parallel.py                  # built-in DDP
-    torchrun --nproc_per_node=4 solutions/02_data_parallel.py --ddp scratch    # the hand-written one
-    torchrun --nproc_per_node=2 solutions/02_data_parallel.py --grad-accum 4   # global batch 8 x 4 x 2
+    torchrun --nproc_per_node=4 exercises/02_data_parallel.py                  # built-in DDP
+    torchrun --nproc_per_node=4 exercises/02_data_parallel.py --ddp scratch    # the hand-written one
+    torchrun --nproc_per_node=2 exercises/02_data_parallel.py --grad-accum 4   # global batch 8 x 4 x 2
     sbatch slurm/02_data_parallel_2nodes.sbatch solutions                      # 2 nodes x 4 GPUs
 """
 

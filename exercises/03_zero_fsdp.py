@@ -11,11 +11,11 @@ built here from torch.distributed collectives, then replaced by PyTorch's FSDP2 
 hybrid form HSDP (shard inside a node, replicate across nodes), with bf16 compute and distributed
 checkpoints that load at another world size. Every strategy trains exactly like one process.
 
-    torchrun --nproc_per_node=4 solutions/03_zero_fsdp.py                        # FSDP2 (default)
-    torchrun --nproc_per_node=4 solutions/03_zero_fsdp.py --strategy zero3       # the hand-written ZeRO-3
-    torchrun --nproc_per_node=4 solutions/03_zero_fsdp.py --strategy all         # each strategy in turn
-    torchrun --nproc_per_node=4 solutions/03_zero_fsdp.py --precision bf16 --save-dcp runs/ckpt
-    torchrun --nproc_per_node=2 solutions/03_zero_fsdp.py --resume runs/ckpt --steps 400   # 4 ranks -> 2
+    torchrun --nproc_per_node=4 exercises/03_zero_fsdp.py                        # FSDP2 (default)
+    torchrun --nproc_per_node=4 exercises/03_zero_fsdp.py --strategy zero3       # the hand-written ZeRO-3
+    torchrun --nproc_per_node=4 exercises/03_zero_fsdp.py --strategy all         # each strategy in turn
+    torchrun --nproc_per_node=4 exercises/03_zero_fsdp.py --precision bf16 --save-dcp runs/ckpt
+    torchrun --nproc_per_node=2 exercises/03_zero_fsdp.py --resume runs/ckpt --steps 400   # 4 ranks -> 2
     sbatch slurm/03_zero_fsdp_hsdp_2nodes.sbatch solutions --strategy hsdp       # 2 nodes x 4 GPUs
 """
 
@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from utils.data import load_token_dataset
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
+from utils.distributed_utils import CourseError, Refusal, destroy_process_group, print0, run_main, setup
 from utils.lesson_03.checkpoint import resume, save_checkpoints
 from utils.lesson_03.metrics import FirstStep, average, counting_allreduce_hook, report
 from utils.lesson_03.options import lesson_parser, settle
@@ -433,7 +433,7 @@ def apply_hsdp(model, mesh, reshard_after_forward=True, mp_policy=None):
 def hsdp_mesh(device, world_size, replicas):
     """A replicas x (world_size / replicas) mesh: row r holds the consecutive ranks of one node."""
     if world_size % replicas:
-        raise CourseError(f"--replicas {replicas} does not divide the world size {world_size}: choose a divisor")
+        raise Refusal(f"--replicas {replicas} does not divide the world size {world_size}: choose a divisor")
     return init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
 
 

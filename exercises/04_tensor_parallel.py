@@ -16,9 +16,9 @@ norms' gathered outputs, which q/k/v and up keep for backward, stay whole. Korth
 Megatron-LM keep only the 1/N slice there too and all-gather it again in backward: 34 sbh/t bytes per layer
 (fp16, attention scores aside), where this version keeps 4 sbh (t-1)/t more (s sequence, b batch, h width).
 
-    torchrun --nproc_per_node=2 solutions/04_tensor_parallel.py                          # DTensor parallelize_module
-    torchrun --nproc_per_node=4 solutions/04_tensor_parallel.py --tp-impl scratch        # the hand-written f/g layers
-    torchrun --nproc_per_node=4 solutions/04_tensor_parallel.py --sequence-parallel      # + sequence parallelism
+    torchrun --nproc_per_node=2 exercises/04_tensor_parallel.py                          # DTensor parallelize_module
+    torchrun --nproc_per_node=4 exercises/04_tensor_parallel.py --tp-impl scratch        # the hand-written f/g layers
+    torchrun --nproc_per_node=4 exercises/04_tensor_parallel.py --sequence-parallel      # + sequence parallelism
     sbatch slurm/04_tensor_parallel.sbatch solutions                                     # 1 node x 4 GPUs
 """
 
@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader
 
 from utils.collective_counter import CollectiveCounter
 from utils.data import load_token_dataset
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.distributed_utils import CourseError, Refusal, destroy_process_group, print0, run_main, save0, setup
 from utils.gather import checksum, full_parameters
 from utils.lesson_04.checks import check_layers
 from utils.lesson_04.layout import describe
@@ -224,14 +224,14 @@ def check_tensor_parallel_size(config: ModelConfig, tp: int, seq_len: int, seque
     """Refuse a TP size that cannot split the heads, the MLP or (with SP) the sequence into equal whole parts."""
     hidden = config.mlp_ratio * config.dim
     if config.n_heads % tp:
-        raise CourseError(
+        raise Refusal(
             f"a TP size of {tp} does not divide --n-heads {config.n_heads} (each rank needs whole heads): "
             f"launch a number of processes that divides {config.n_heads}, or choose --n-heads as a multiple of {tp}"
         )
     if hidden % tp:
-        raise CourseError(f"a TP size of {tp} does not divide the MLP width {hidden}: choose a --dim that {tp} divides")
+        raise Refusal(f"a TP size of {tp} does not divide the MLP width {hidden}: choose a --dim that {tp} divides")
     if sequence_parallel and seq_len % tp:
-        raise CourseError(
+        raise Refusal(
             f"--sequence-parallel splits --seq-len {seq_len} over {tp} ranks: choose a --seq-len that {tp} divides"
         )
 

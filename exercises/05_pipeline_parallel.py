@@ -13,9 +13,9 @@ of stages is the world size (twice it, interleaved).
 The built-in zero-bubble schedules (interleaved-zb, zbv) also split each backward into the input's gradient (B),
 which the previous stage waits for, and the weights' gradient (W), which can wait and fill the idle time.
 
-    torchrun --nproc_per_node=4 solutions/05_pipeline_parallel.py --n-layers 4 --schedule 1f1b --microbatches 8
-    torchrun --nproc_per_node=2 solutions/05_pipeline_parallel.py --pp-impl builtin --schedule interleaved --n-layers 4
-    torchrun --nproc_per_node=2 solutions/05_pipeline_parallel.py --pp-impl builtin --schedule zbv --n-layers 4
+    torchrun --nproc_per_node=4 exercises/05_pipeline_parallel.py --n-layers 4 --schedule 1f1b --microbatches 8
+    torchrun --nproc_per_node=2 exercises/05_pipeline_parallel.py --pp-impl builtin --schedule interleaved --n-layers 4
+    torchrun --nproc_per_node=2 exercises/05_pipeline_parallel.py --pp-impl builtin --schedule zbv --n-layers 4
     sbatch slurm/05_pipeline_parallel_2nodes.sbatch solutions --n-layers 8     # 8 stages on 2 nodes x 4 GPUs
 """
 

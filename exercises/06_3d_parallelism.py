@@ -20,9 +20,9 @@ mesh["tp"], FSDP2 on mesh["dp"], torch.distributed.pipelining on mesh["pp"]. Eit
 --batch-size sequences each, in --microbatches micro-batches, train like one process on the global batch of
 dp x --batch-size sequences (compare with lesson 00).
 
-    torchrun --nproc_per_node=8 solutions/06_3d_parallelism.py --tp 2 --pp 2 --n-layers 4          # dp = 2
-    torchrun --nproc_per_node=8 solutions/06_3d_parallelism.py --tp 2 --pp 2 --impl builtin --schedule gpipe
-    torchrun --nproc_per_node=4 solutions/06_3d_parallelism.py --tp 2 --pp 1                           # dp = 2
+    torchrun --nproc_per_node=8 exercises/06_3d_parallelism.py --tp 2 --pp 2 --n-layers 4          # dp = 2
+    torchrun --nproc_per_node=8 exercises/06_3d_parallelism.py --tp 2 --pp 2 --impl builtin --schedule gpipe
+    torchrun --nproc_per_node=4 exercises/06_3d_parallelism.py --tp 2 --pp 1                           # dp = 2
     sbatch slurm/06_3d_parallelism_2nodes.sbatch solutions       # the pipeline across 2 nodes, TP inside each
     COURSE_TIMELINE=step.json torchrun ...   # from scratch: also the last step's timeline (utils/lesson_06/timeline.py)
 """
@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from utils.course.lessons import lesson
 from utils.data import load_token_dataset
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.distributed_utils import CourseError, Refusal, destroy_process_group, print0, run_main, save0, setup
 from utils.gather import checksum, full_parameters, gather_stages
 from utils.lesson_06.measure import measure_step
 from utils.lesson_06.placements import describe_placements, local_numel, output_not_a_view
@@ -244,19 +244,19 @@ def parallelize_builtin(model, mesh, stage_index: int):
 def check_layout(args, world_size: int) -> Layout:
     """Refuse what cannot run, with one line each, before any process waits for another."""
     if world_size % (args.tp * args.pp):
-        raise CourseError(
+        raise Refusal(
             f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} ranks per replica does not divide the "
             f"{world_size} processes: launch a multiple of {args.tp * args.pp} processes, or change --tp/--pp"
         )
     tensor_parallel.check_tensor_parallel_size(model_config(args), args.tp, args.seq_len, False)  # whole heads
     pipeline.partition(args.n_layers, args.pp)  # refuses more stages than blocks
     if args.batch_size % args.microbatches:
-        raise CourseError(
+        raise Refusal(
             f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal "
             f"micro-batches; use a --batch-size that is a multiple of {args.microbatches}"
         )
     if args.impl == "builtin" and args.schedule == "1f1b" and args.microbatches < args.pp:
-        raise CourseError(
+        raise Refusal(
             f"the built-in Schedule1F1B needs --microbatches >= --pp {args.pp} (got {args.microbatches}); "
             "the from-scratch one (--impl scratch) runs any number"
         )

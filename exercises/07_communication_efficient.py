@@ -13,11 +13,11 @@ to a collective is counted the same way: what this rank sends on a ring (an all-
 n ranks sends 2(n-1)/n x B, an all-gather of B bytes from each rank sends (n-1) x B).
 Compare this file with solutions/02_data_parallel.py: the difference is the lesson.
 
-    torchrun --nproc_per_node=4 solutions/07_communication_efficient.py --method none       # plain DDP
-    torchrun --nproc_per_node=4 solutions/07_communication_efficient.py --method topk --topk-ratio 0.01
-    torchrun --nproc_per_node=4 solutions/07_communication_efficient.py --method quantize --bits 8
-    torchrun --nproc_per_node=4 solutions/07_communication_efficient.py --method localsgd --local-steps 4
-    torchrun --nproc_per_node=4 solutions/07_communication_efficient.py --method powersgd --powersgd-rank 1
+    torchrun --nproc_per_node=4 exercises/07_communication_efficient.py --method none       # plain DDP
+    torchrun --nproc_per_node=4 exercises/07_communication_efficient.py --method topk --topk-ratio 0.01
+    torchrun --nproc_per_node=4 exercises/07_communication_efficient.py --method quantize --bits 8
+    torchrun --nproc_per_node=4 exercises/07_communication_efficient.py --method localsgd --local-steps 4
+    torchrun --nproc_per_node=4 exercises/07_communication_efficient.py --method powersgd --powersgd-rank 1
     sbatch slurm/07_communication_efficient.sbatch solutions --method fp16                  # 2 nodes x 4 GPUs
 """
 
@@ -38,7 +38,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import DataLoader, DistributedSampler
 
 from utils.data import load_token_dataset
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.distributed_utils import CourseError, Refusal, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (
@@ -342,7 +342,7 @@ def main():
     if args.local_group_size is None:
         args.local_group_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if args.method == "postlocal" and world_size % args.local_group_size:
-        raise CourseError(
+        raise Refusal(
             f"--local-group-size {args.local_group_size} does not divide the {world_size} ranks into equal groups; "
             f"choose a divisor of {world_size} (the ranks per node)"
         )

@@ -14,8 +14,8 @@ checkpoint, and the resumed run ends bit-identical to one that was never interru
     # rank 0 SIGKILLed at step 25; torchrun restarts both ranks, which resume from step 20 (a fresh TCP store
     # per restart: without it, restarted workers can read the dead workers' addresses and fail to connect)
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
-        solutions/08_fault_tolerance.py --checkpoint-every 10 --crash-at-step 25
-    torchrun --nproc_per_node=2 solutions/08_fault_tolerance.py --async-save           # DCP async_save
+        exercises/08_fault_tolerance.py --checkpoint-every 10 --crash-at-step 25
+    torchrun --nproc_per_node=2 exercises/08_fault_tolerance.py --async-save           # DCP async_save
     sbatch slurm/08_fault_tolerance.sbatch solutions     # saves on SIGUSR1 (time limit) or SIGTERM (preemption)
 
 SIGUSR1 or SIGTERM asks every rank to finish its step, save and stop. Under torchrun the ranks get it from
@@ -49,7 +49,7 @@ from torch.utils.data import DistributedSampler
 from utils.course.faults import crash, forget_kill, pause, seconds_since_kill
 from utils.course.lessons import lesson
 from utils.data import load_token_dataset
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
+from utils.distributed_utils import CourseError, Refusal, destroy_process_group, print0, run_main, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (
@@ -407,7 +407,7 @@ def main():
     process_started = time.time()
     local_rank, rank, device, world_size = setup(args.seed)
     if not 0 <= args.crash_rank < world_size:
-        raise CourseError(f"--crash-rank {args.crash_rank}: choose a rank from 0 to {world_size - 1}")
+        raise Refusal(f"--crash-rank {args.crash_rank}: choose a rank from 0 to {world_size - 1}")
 
     train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
     check_batches(len(train), args, world_size)

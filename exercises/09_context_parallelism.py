@@ -11,9 +11,9 @@ own tokens. Attention is the one place where a token needs the others, and there
   on whole sequences of H/N heads, and a second all-to-all turns it back.
 Every rank holds the whole model: the parameters' gradients are averaged as in lesson 02.
 
-    torchrun --nproc_per_node=4 solutions/09_context_parallelism.py --impl ring --cp-split zigzag
-    torchrun --nproc_per_node=4 solutions/09_context_parallelism.py --impl ulysses
-    torchrun --nproc_per_node=4 solutions/09_context_parallelism.py --impl builtin   # torch's, on GPUs
+    torchrun --nproc_per_node=4 exercises/09_context_parallelism.py --impl ring --cp-split zigzag
+    torchrun --nproc_per_node=4 exercises/09_context_parallelism.py --impl ulysses
+    torchrun --nproc_per_node=4 exercises/09_context_parallelism.py --impl builtin   # torch's, on GPUs
 """
 
 import math

@@ -16,8 +16,8 @@ What travels, two ways (--dispatch):
 
 Every rank keeps a copy of everything else (attention, norms, embeddings, routers, head), trained data-parallel.
 
-    torchrun --nproc_per_node=4 solutions/10_mixture_of_experts.py --experts 8 --top-k 2
-    torchrun --nproc_per_node=4 solutions/10_mixture_of_experts.py --experts 8 --dispatch padded --capacity-factor 1
+    torchrun --nproc_per_node=4 exercises/10_mixture_of_experts.py --experts 8 --top-k 2
+    torchrun --nproc_per_node=4 exercises/10_mixture_of_experts.py --experts 8 --dispatch padded --capacity-factor 1
 """
 
 import math

@@ -20,6 +20,9 @@ NODE=$(hostname)
 PORT=$(( 8800 + SLURM_JOB_ID % 1000 ))   # a port per job: two participants on one node do not collide
 echo "JupyterLab on $NODE:$PORT. On your laptop, run:"
 echo "    ssh -N -L $PORT:$NODE:$PORT ${SITE_LOGIN_NODE:-<your login node>}"
-echo "then open the http://127.0.0.1:$PORT/lab?token=... address that JupyterLab prints below."
+echo "then open the http://127.0.0.1:$PORT/lab/tree/README.md?token=... address that JupyterLab prints below."
+# As `make lab` starts it: the course root (the README, notebooks/, exercises/, slurm/ in reach), the README first and
+# rendered (utils/course/lab_settings), also at the address printed, which is the one you open through the tunnel.
 cd "$SLURM_SUBMIT_DIR"
-exec jupyter lab --no-browser --ip="$NODE" --port="$PORT" $( [ "$(id -u)" -eq 0 ] && echo --allow-root ) notebooks/
+exec jupyter lab --no-browser --ip="$NODE" --port="$PORT" $( [ "$(id -u)" -eq 0 ] && echo --allow-root ) \
+    --LabApp.app_settings_dir="$SLURM_SUBMIT_DIR/utils/course/lab_settings" --LabApp.default_url=/lab/tree/README.md

@@ -31,4 +31,31 @@ site_environment() {
     export HF_HOME="${HF_HOME:-$root/.cache/huggingface}"
     export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_DIR="${WANDB_DIR:-$root/runs}"
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    # --watch writes each rank's samples here (one folder per job), for the job report at the end.
+    export COURSE_MONITOR_DIR="${COURSE_MONITOR_DIR:-$root/runs/monitor/${SLURM_JOB_NAME:-job}-${SLURM_JOB_ID:-0}}"
+}
+
+# --- the job report, at the end of every job: how busy each device and process was (python -m utils.monitor),
+# beside Slurm's own view. `watched srun ... "$SCRIPT" --watch ...` runs the training, then the report; the job
+# still ends with the training's exit status (a failed training fails the job).
+watched() {
+    local status=0
+    "$@" || status=$?
+    job_report
+    return "$status"
+}
+
+job_report() {
+    local root="${SLURM_SUBMIT_DIR:-$PWD}" out png
+    out=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o "StdOut=[^ ]*" | cut -d= -f2) || true
+    png="${out:-$root/${SLURM_JOB_NAME}-${SLURM_JOB_ID}.out}"
+    png="${png%.out}.png"                 # the figure beside the job's .out file
+    echo "=== job report (how busy each device was; the figure: $png)"
+    (cd "$root" && python -m utils.monitor report "$COURSE_MONITOR_DIR" --png "$png") \
+        || echo "no job report: the training recorded nothing in $COURSE_MONITOR_DIR (was --watch passed?)"
+    echo "=== Slurm's view of job $SLURM_JOB_ID"
+    squeue -h -j "$SLURM_JOB_ID" -o "nodes %D (%N), elapsed %M, time limit %l" 2>/dev/null || true
+    # Peak memory per step where the cluster keeps accounting (sacct), else nothing more to show.
+    sacct -j "$SLURM_JOB_ID" --noheader --format=JobID%-16,Elapsed,NNodes,MaxRSS,State 2>/dev/null \
+        || echo "(no sacct: this cluster keeps no job accounting)"
 }

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from utils.data import load_token_dataset
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.distributed_utils import Refusal, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (
@@ -45,7 +45,7 @@ def main():
     args = parse_args(base_parser(__doc__.splitlines()[0]))
     local_rank, rank, device, world_size = setup(args.seed)
     if world_size > 1:
-        raise CourseError(
+        raise Refusal(
             f"lesson 00 is the single-device baseline: run it with 1 process, not {world_size}; "
             "lesson 02 makes it data parallel."
         )

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from utils.data import load_token_dataset
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
+from utils.distributed_utils import CourseError, Refusal, destroy_process_group, print0, run_main, setup
 from utils.lesson_03.checkpoint import resume, save_checkpoints
 from utils.lesson_03.metrics import FirstStep, average, counting_allreduce_hook, report
 from utils.lesson_03.options import lesson_parser, settle
@@ -557,7 +557,7 @@ def apply_hsdp(model, mesh, reshard_after_forward=True, mp_policy=None):
 def hsdp_mesh(device, world_size, replicas):
     """A replicas x (world_size / replicas) mesh: row r holds the consecutive ranks of one node."""
     if world_size % replicas:
-        raise CourseError(f"--replicas {replicas} does not divide the world size {world_size}: choose a divisor")
+        raise Refusal(f"--replicas {replicas} does not divide the world size {world_size}: choose a divisor")
     return init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
 
 

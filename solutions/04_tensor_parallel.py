@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader
 
 from utils.collective_counter import CollectiveCounter
 from utils.data import load_token_dataset
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.distributed_utils import CourseError, Refusal, destroy_process_group, print0, run_main, save0, setup
 from utils.gather import checksum, full_parameters
 from utils.lesson_04.checks import check_layers
 from utils.lesson_04.layout import describe
@@ -254,14 +254,14 @@ def check_tensor_parallel_size(config: ModelConfig, tp: int, seq_len: int, seque
     """Refuse a TP size that cannot split the heads, the MLP or (with SP) the sequence into equal whole parts."""
     hidden = config.mlp_ratio * config.dim
     if config.n_heads % tp:
-        raise CourseError(
+        raise Refusal(
             f"a TP size of {tp} does not divide --n-heads {config.n_heads} (each rank needs whole heads): "
             f"launch a number of processes that divides {config.n_heads}, or choose --n-heads as a multiple of {tp}"
         )
     if hidden % tp:
-        raise CourseError(f"a TP size of {tp} does not divide the MLP width {hidden}: choose a --dim that {tp} divides")
+        raise Refusal(f"a TP size of {tp} does not divide the MLP width {hidden}: choose a --dim that {tp} divides")
     if sequence_parallel and seq_len % tp:
-        raise CourseError(
+        raise Refusal(
             f"--sequence-parallel splits --seq-len {seq_len} over {tp} ranks: choose a --seq-len that {tp} divides"
         )
 

@@ -35,7 +35,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import DataLoader, DistributedSampler
 
 from utils.data import load_token_dataset
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, save0, setup
+from utils.distributed_utils import CourseError, Refusal, destroy_process_group, print0, run_main, save0, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (
@@ -442,7 +442,7 @@ def main():
     if args.local_group_size is None:
         args.local_group_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if args.method == "postlocal" and world_size % args.local_group_size:
-        raise CourseError(
+        raise Refusal(
             f"--local-group-size {args.local_group_size} does not divide the {world_size} ranks into equal groups; "
             f"choose a divisor of {world_size} (the ranks per node)"
         )

@@ -46,7 +46,7 @@ from torch.utils.data import DistributedSampler
 from utils.course.faults import crash, forget_kill, pause, seconds_since_kill
 from utils.course.lessons import lesson
 from utils.data import load_token_dataset
-from utils.distributed_utils import CourseError, destroy_process_group, print0, run_main, setup
+from utils.distributed_utils import CourseError, Refusal, destroy_process_group, print0, run_main, setup
 from utils.metrics import param_checksum, state_bytes, write_metrics
 from utils.model import build_model, count_parameters, loss_fn
 from utils.training import (
@@ -474,7 +474,7 @@ def main():
     process_started = time.time()
     local_rank, rank, device, world_size = setup(args.seed)
     if not 0 <= args.crash_rank < world_size:
-        raise CourseError(f"--crash-rank {args.crash_rank}: choose a rank from 0 to {world_size - 1}")
+        raise Refusal(f"--crash-rank {args.crash_rank}: choose a rank from 0 to {world_size - 1}")
 
     train = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
     check_batches(len(train), args, world_size)

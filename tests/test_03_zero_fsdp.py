@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness.launch import ROOT, course_env, python, torchrun
+from tests.harness.launch import ROOT, course_env, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.course.lessons import load_script
 from utils.course.make_exercises import BEGIN, END, EXERCISE, make_exercise
@@ -83,7 +83,7 @@ class Launches:
                 self.launch({"dcp2": "dcp4", "dcp1": "dcp2", "full1": "dcp4"}[name])
             nproc, extra = runs(self.folder)[name]
             folder = self.folder / (f"run-{name}" if strategy is None else f"run-{name}-{strategy}")
-            folder.mkdir()
+            fresh_folder(folder)
             if strategy is not None:  # the same run, with one strategy instead of all
                 at = extra.index("--strategy")
                 extra = [*extra[:at], *extra[at + 2 :], "--strategy", strategy]

@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from tests.harness.launch import ROOT, course_env, finished, python, torchrun
+from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
 from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
@@ -45,7 +45,7 @@ def run(lesson, tmp_path_factory):
     def launch(name):
         if name not in done:
             folder = tmp / name
-            folder.mkdir()
+            fresh_folder(folder)
             args = [*COMMON, "--log-dir", folder / "runs", "--checkpoint", folder / "model.pt"]
             if name == "one":
                 script = ROOT / "solutions" / "00_setup_and_baseline.py"

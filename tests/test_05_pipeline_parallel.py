@@ -21,7 +21,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from tests.harness.launch import ROOT, course_env, finished, python, torchrun
+from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
 from tests.harness.todo_calls import call
 from utils.course.lessons import load_script
@@ -76,7 +76,7 @@ def run(lesson, tmp_path_factory):
         if name not in done:
             nproc, extra = RUNS[name]
             folder = tmp / name
-            folder.mkdir()
+            fresh_folder(folder)
             args = [*COMMON, *extra, "--log-dir", folder / "runs", "--checkpoint", folder / "model.pt"]
             done[name] = torchrun(lesson("05"), nproc, args, tmp_path=folder, env=ENV), folder
         return done[name]

@@ -19,7 +19,7 @@ import re
 import pytest
 import torch
 
-from tests.harness.launch import ROOT, course_env, finished, python, torchrun
+from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext
 from tests.harness.todo_calls import call
 from utils import planner
@@ -87,7 +87,7 @@ def run(lesson, tmp_path_factory):
         if name not in done:
             nproc, extra = RUNS[name]
             folder = tmp / name
-            folder.mkdir()
+            fresh_folder(folder)
             args = [*COMMON, *extra, "--log-dir", folder / "runs", "--checkpoint", folder / "model.pt"]
             env = {**ENV, lesson06_timeline.ENV: str(folder / "timeline.json")} if name == TIMELINE_RUN else ENV
             done[name] = torchrun(lesson("06"), nproc, args, tmp_path=folder, env=env, timeout=300), folder

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness.launch import ROOT, course_env, python, torchrun
+from tests.harness.launch import ROOT, course_env, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
@@ -70,7 +70,7 @@ def run(lesson, tmp_path_factory):
         if name not in done:
             nproc, extra = RUNS[name]
             folder = tmp / name
-            folder.mkdir()
+            fresh_folder(folder)
             batch = ["--batch-size", str(8 // nproc)]
             args = [*COMMON, *batch, *extra, "--log-dir", folder / "runs", "--checkpoint", folder / "model.pt"]
             if nproc == 1:

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness.launch import ROOT, course_env, finished, python, torchrun
+from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext
 from tests.harness.todo_calls import call
 from utils.course.lessons import load_script
@@ -610,7 +610,7 @@ def run(script_path, tmp_path_factory):
         if name not in done:
             nproc, impl, split, seq_len = RUNS[name]
             folder = tmp / name
-            folder.mkdir()
+            fresh_folder(folder)
             args = [*with_seq_len(COMMON, seq_len), "--impl", impl, "--cp-split", split, "--log-dir", folder / "runs",
                     "--checkpoint", folder / "model.pt"]  # fmt: skip
             done[name] = torchrun(script_path, nproc, args, tmp_path=folder, env=ENV, timeout=240), folder

@@ -20,13 +20,13 @@ import re
 import pytest
 import torch
 
-from tests.harness.launch import ROOT, course_env, finished, python, torchrun
+from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import fake_wikitext, passed
 from tests.harness.todo_calls import call
 from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
-from utils.lesson_10.reference import reference_routing, slot_problem, train_reference
+from utils.lesson_10.reference import kept_problem, reference_routing, slot_problem, train_reference
 
 TOLERANCE = 1e-6  # fp32, SGD: N ranks and one process differ only by the order of additions
 COMMON = [
@@ -63,37 +63,42 @@ def script(lesson):
 
 def check_todo1(script):
     generator = torch.Generator().manual_seed(0)
-    for tokens, n_experts, k in [(40, 4, 2), (33, 6, 1), (25, 8, 3), (16, 3, 3), (30, 4, 1)]:
-        logits = (torch.randn(tokens, n_experts, generator=generator) * 2).requires_grad_()
+    # The last two cases leave an expert that no token chooses: its count is 0, not missing.
+    for tokens, n_experts, k, unchosen in [(40, 4, 2, None), (33, 6, 1, None), (25, 8, 3, None), (16, 3, 3, None),
+                                           (30, 4, 1, None), (20, 5, 2, 4), (12, 6, 1, 2)]:  # fmt: skip
+        logits = torch.randn(tokens, n_experts, generator=generator) * 2
+        if unchosen is not None:
+            logits[:, unchosen] -= 30.0
+        logits.requires_grad_()
         routing = call(1, script.route, logits, k)
         probs = logits.softmax(dim=-1)
         ranked = [sorted(range(n_experts), key=lambda e: -probs[t, e].item())[:k] for t in range(tokens)]
         got = routing.experts.tolist()
         wrong = next((t for t in range(tokens) if got[t] != ranked[t]), None)
+        over_tokens = logits.detach().softmax(dim=0).topk(k, dim=-1).indices.tolist()
         assert wrong is None, (
             f"TODO 1: token {wrong}'s experts are {ranked[wrong]} (its {k} most probable, most probable first), got "
-            f"{got[wrong]}"
+            f"{got[wrong]}" + (": the softmax runs over the tokens, not over the experts" if got == over_tokens else "")
         )
         picked = probs.gather(1, torch.tensor(ranked))
         want_gates = picked if k == 1 else picked / picked.sum(dim=1, keepdim=True)
-        rule = "the probability itself (Switch)" if k == 1 else "the k probabilities divided by their sum"
-        assert routing.gates.shape == want_gates.shape and torch.allclose(
-            routing.gates.detach(), want_gates.detach(), atol=TOLERANCE
-        ), (
-            f"TODO 1: at k = {k} a gate is {rule}: token 0's are {want_gates[0].tolist()}, got "
-            f"{routing.gates[0].tolist()}"
+        assert routing.gates.shape == want_gates.shape, (
+            f"TODO 1: the gates have shape {list(routing.gates.shape)}, want [T, k] = {list(want_gates.shape)}"
         )
+        problem = gates_problem(routing.gates.detach(), want_gates.detach(), picked.detach(), logits.detach(), ranked)
+        assert problem is None, f"TODO 1: at k = {k}: {problem}"
         fraction = torch.tensor([sum(row.count(e) for row in ranked) / (tokens * k) for e in range(n_experts)])
         want_aux = n_experts * (fraction * probs.mean(dim=0)).sum()
         got_aux, want = float(routing.aux_loss.detach()), float(want_aux.detach())
         assert abs(got_aux - want) < TOLERANCE, (
-            f"TODO 1: with E = {n_experts}, k = {k}: the load-balancing loss is E x sum_e f_e P_e = {want:.6f} "
-            f"(f_e: fraction of the T x k choices, P_e: mean probability), got {got_aux:.6f}"
+            f"TODO 1: with E = {n_experts}, k = {k}: the load-balancing loss is {got_aux:.6f}, want E x sum_e f_e P_e "
+            f"= {want:.6f}" + aux_cause(got_aux, want_aux, fraction, probs, ranked, routing.gates.detach(), k)
         )
-        assert routing.gates.requires_grad and routing.aux_loss.requires_grad, (
-            "TODO 1: the gates and the load-balancing loss must keep their graph back to the logits (none detached): "
-            "the router learns through both"
-        )
+        for name, tensor in (("gates", routing.gates), ("load-balancing loss", routing.aux_loss)):
+            assert tensor.requires_grad, (
+                f"TODO 1: no graph leads from the {name} back to the logits (detached?): the router learns through "
+                "the gates from the task and through the loss from the balance"
+            )
         weights = torch.randn(tokens, k, generator=generator)
         got_task = torch.autograd.grad((routing.gates * weights).sum(), logits, retain_graph=True, allow_unused=True)[0]
         want_task = torch.autograd.grad((want_gates * weights).sum(), logits, retain_graph=True)[0]
@@ -107,8 +112,50 @@ def check_todo1(script):
         got_aux_grad = torch.autograd.grad(routing.aux_loss, logits, allow_unused=True)[0]
         want_aux_grad = torch.autograd.grad(want_aux, logits)[0]
         assert got_aux_grad is not None and torch.allclose(got_aux_grad, want_aux_grad, atol=TOLERANCE), (
-            "TODO 1: the load-balancing loss's gradient differs: it flows through P_e only (f_e is a count)"
+            "TODO 1: the load-balancing loss's gradient differs: P_e is detached, or something else than P_e carries "
+            "the gradient (f_e is a count)"
         )
+
+
+def gates_problem(got, want, picked, logits, ranked) -> str | None:
+    """Where the gates first differ (token, expected, got) and the likely cause when a known mistake gives them."""
+    if torch.allclose(got, want, atol=TOLERANCE):
+        return None
+    top_logits = logits.gather(1, torch.tensor(ranked))
+    mistakes = {
+        "every gate is 1: at k = 1 the gate is the probability itself (Switch), else the task teaches the router "
+        "nothing": torch.ones_like(want),
+        "the gates are not divided by their sum: a token's k gates must add up to 1": picked,
+        "the gates come from the logits, not from the softmax's probabilities": top_logits,
+        "the gates divide the logits by their sum: take the probabilities": top_logits / top_logits.sum(1, True),
+        "a softmax over the k chosen probabilities is too even: divide them by their sum (or softmax their logits)":
+            picked.softmax(dim=-1),
+    }  # fmt: skip
+    cause = next(
+        (why for why, wrong in mistakes.items() if wrong.shape == got.shape and torch.allclose(got, wrong)), ""
+    )
+    token = int((got - want).abs().amax(dim=1).argmax())
+    rule = "the probability itself (Switch)" if want.shape[1] == 1 else "its k probabilities divided by their sum"
+    return (
+        f"token {token}'s gates are {[round(v, 4) for v in got[token].tolist()]}, want "
+        f"{[round(v, 4) for v in want[token].tolist()]} ({rule})" + (f": {cause}" if cause else "")
+    )
+
+
+def aux_cause(got: float, want_aux, fraction, probs, ranked, gates, k: int) -> str:
+    """The likely cause of a wrong load-balancing loss, when a known mistake gives exactly what came back."""
+    n_experts, want = probs.shape[1], float(want_aux)
+    first_only = torch.bincount(torch.tensor([row[0] for row in ranked]), minlength=n_experts) / len(ranked)
+    chosen_gates = torch.zeros_like(probs).scatter(1, torch.tensor(ranked), gates).mean(dim=0)
+    mistakes = {
+        "the factor E is missing": want / n_experts,
+        "f_e divides by the tokens T, not by the T x k choices": want * k,
+        "f_e counts the first choices only": float(n_experts * (first_only * probs.mean(dim=0)).sum()),
+        "P_e averages the chosen experts' gates, not every expert's probability over the tokens":
+            float(n_experts * (fraction * chosen_gates).sum()),
+    }  # fmt: skip
+    cause = next((why for why, wrong in mistakes.items() if abs(got - wrong) < TOLERANCE and wrong != want), None)
+    return f": {cause}" if cause else " (f_e: fraction of the T x k choices per expert, P_e: its mean probability)"
 
 
 def check_todo2(script):
@@ -118,15 +165,14 @@ def check_todo2(script):
         choices, kept = reference_routing(logits.softmax(dim=-1), k, factor)
         got, slots, capacity = call(2, script.keep_within_capacity, torch.tensor(choices), n_experts, factor)
         want_capacity = math.ceil(factor * tokens * k / n_experts)
-        assert capacity == want_capacity, f"TODO 2: capacity = ceil(C x T x k / E) = {want_capacity}, got {capacity}"
+        assert capacity == want_capacity, f"TODO 2: T = {tokens}, E = {n_experts}, k = {k}, C = {factor}: " + (
+            capacity_problem(capacity, want_capacity, factor, tokens, k, n_experts)
+        )
         want = torch.zeros(tokens, k, dtype=torch.bool)
         for t, i in kept:
             want[t, i] = True
-        assert got.shape == want.shape and torch.equal(got.bool(), want), (
-            f"TODO 2: T = {tokens}, E = {n_experts}, k = {k}, C = {factor}: keeps {int(got.sum())} choices where the "
-            f"reference keeps {int(want.sum())} (or others): each expert takes its first {capacity} choices, every "
-            "token's first choice before any token's second, tokens in order"
-        )
+        problem = kept_problem(choices, want, got, want_capacity)
+        assert problem is None, f"TODO 2: T = {tokens}, E = {n_experts}, k = {k}, C = {factor}: {problem}"
         problem = slot_problem(choices, want, slots, capacity)
         assert problem is None, f"TODO 2: T = {tokens}, E = {n_experts}, k = {k}, C = {factor}: {problem}"
     for tokens, n_experts, k in [(25, 8, 2), (17, 6, 3), (9, 4, 1)]:  # C = E / k: capacity >= T, nothing dropped
@@ -135,6 +181,17 @@ def check_todo2(script):
         assert bool(got.all()), (
             f"TODO 2: capacity factor E / k = {n_experts / k} (capacity {capacity}) dropped a choice"
         )
+
+
+def capacity_problem(got, want: int, factor: float, tokens: int, k: int, n_experts: int) -> str:
+    """The capacity that came back, the one wanted, and the likely cause when a known mistake gives it."""
+    mistakes = {
+        "rounded down: round up, or the last choices that fit are dropped": int(factor * tokens * k / n_experts),
+        "the factor C is missing": math.ceil(tokens * k / n_experts),
+        "k is missing: with k choices a token asks k experts": math.ceil(factor * tokens / n_experts),
+    }
+    cause = next((why for why, wrong in mistakes.items() if got == wrong != want), None)
+    return f"capacity {got}, want ceil(C x T x k / E) = {want}" + (f": {cause}" if cause else "")
 
 
 CHECKS = {1: check_todo1, 2: check_todo2}
@@ -254,7 +311,7 @@ def run(lesson, tmp_path_factory):
         if name not in done:
             nproc, extra = RUNS[name]
             folder = tmp / name
-            folder.mkdir()
+            fresh_folder(folder)
             args = [*COMMON, *extra, "--log-dir", folder / "runs", "--checkpoint", folder / "model.pt"]
             result = torchrun(lesson("10"), nproc, args, tmp_path=folder, env=ENV, timeout=240)
             metrics = finished(result, 5)
@@ -416,6 +473,7 @@ def test_three_ranks_refuse_four_experts_with_one_line(lesson, tmp_path):
     errors = [line for line in result.output.splitlines() if "ERROR:" in line]
     assert result.returncode != 0 and errors, result.tail()
     assert "--experts 4 does not split evenly over 3 ranks" in errors[0], errors[0]
+    assert len(errors) == 1 and "[rank 0]" in errors[0], f"printed once, by rank 0: {errors}"
     assert "Traceback" not in result.output.split("ERROR:")[0], "a one-line message, not a traceback"
 
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.harness.launch import ROOT, python
-from utils.training import SHARED_OPTIONS
+from utils.training import EVERY_SCRIPT_OPTIONS, SHARED_OPTIONS
 from utils.training import parse_args as real_parse_args
 
 SCRIPTS = {path.name[:2]: path for path in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))}
@@ -117,7 +117,28 @@ EFFECTS = {
         "--aux-loss-weight": "test_options_and_measurements_reach_the_metrics",
         "--impl": "test_options_and_measurements_reach_the_metrics",
     },
+    "11": {
+        **{option: SHARED_RUN for option in SHARED_OPTIONS if option not in ("--autocast", "--checkpoint")},
+        "--autocast": "test_speed_up_options_reach_the_step",
+        "--strategy": "test_every_rank_writes_a_trace_whose_kinds_add_up",
+        "--profile": "test_every_rank_writes_a_trace_whose_kinds_add_up",
+        "--ddp-overlap": "test_overlap_and_buckets_change_the_all_reduces",
+        "--bucket-cap-mb": "test_overlap_and_buckets_change_the_all_reduces",
+        "--prefetch": "test_fsdp_prefetch_and_reshard_options",
+        "--reshard-after-forward": "test_fsdp_prefetch_and_reshard_options",
+        "--microbatches": "test_pipeline_and_tensor_parallel_traces",
+        "--optimizer-impl": "test_speed_up_options_reach_the_step",
+        "--checkpointing": "test_speed_up_options_reach_the_step",
+        "--compile": "test_compile_wraps_every_block",
+    },
 }
+# Options every course parser has (utils.training.EVERY_SCRIPT_OPTIONS), lesson 01's too: one mechanism for all
+# scripts (parse_args asks, setup() starts), checked once by the named test in tests/test_monitor.py.
+EVERY_SCRIPT_EFFECTS = {"--watch": "test_watch_records_every_rank_into_the_metrics"}
+EVERY_SCRIPT_TESTS = ROOT / "tests" / "test_monitor.py"
+assert set(EVERY_SCRIPT_EFFECTS) == set(EVERY_SCRIPT_OPTIONS), "name the test of each option every script has"
+for _lesson in SCRIPTS:
+    EFFECTS.setdefault(_lesson, {}).update(EVERY_SCRIPT_EFFECTS)
 # Options a script refuses beyond the shared ones it leaves out: lesson -> {option: a value to pass}.
 REFUSED = {"01": {"--seed": "1"}}  # lesson 01 draws no random numbers from it: it had no effect
 # Lessons whose options are not all in EFFECTS yet: their unlisted options are reported as expected failures.
@@ -171,8 +192,9 @@ def refused(lesson: str) -> dict:
 
 
 def lesson_test_files(lesson: str) -> list:
-    """The lesson's test files: tests/test_NN_topic.py (or several, tests/test_NN_*.py)."""
-    return sorted((ROOT / "tests").glob(f"test_{lesson}_*.py"))
+    """The lesson's test files: tests/test_NN_topic.py (or several, tests/test_NN_*.py), and the tests of the
+    options every script has."""
+    return [*sorted((ROOT / "tests").glob(f"test_{lesson}_*.py")), EVERY_SCRIPT_TESTS]
 
 
 def source_of_test(lesson: str, name: str) -> str | None:

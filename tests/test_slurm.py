@@ -90,9 +90,12 @@ def lesson_jobs(cluster, workdir, target, request):
 
 
 def keep_output(job, workdir):
-    """Move a lesson job's output from the submit directory (the repository) into the test's workdir."""
+    """Move a lesson job's output (and its job report's figure) from the submit directory (the repository) into
+    the test's workdir."""
     if job.record.get("StdOut") and job.output_file.is_file() and job.output_file.resolve().parent == ROOT:
-        shutil.move(job.output_file, workdir / job.output_file.name)
+        for path in (job.output_file, job.output_file.with_suffix(".png")):
+            if path.is_file():
+                shutil.move(path, workdir / path.name)
 
 
 def test_there_are_sbatch_files():
@@ -111,8 +114,10 @@ def test_sbatch_follows_the_course_idiom(sbatch_file):
         r"^#SBATCH --time[=\s]": "a time limit (#SBATCH --time)",
         r"^#SBATCH --output[=\s]%x-%j\.out\b": "#SBATCH --output=%x-%j.out (in the submit directory)",
         r"scontrol show hostnames": "MASTER_ADDR from `scontrol show hostnames`",
-        r"^\s*srun\b.*--kill-on-bad-exit(=1)?\s": "`srun --kill-on-bad-exit=1` (one failed node ends the step)",
-        r"^\s*srun\b.*\btorchrun\b": "`srun ... torchrun`, one torchrun a node",
+        r"^\s*(watched\s+)?srun\b.*--kill-on-bad-exit(=1)?\s": "`srun --kill-on-bad-exit=1` (a failed node ends it)",
+        r"^\s*(watched\s+)?srun\b.*\btorchrun\b": "`srun ... torchrun`, one torchrun a node",
+        r"^\s+(\"\$SCRIPT\" )?--watch\b": "the training script run with --watch (it records how busy each device is)",
+        r"^\s*(watched\s+srun\b|job_report\b)": "the job report at the end (`watched srun ...` or `job_report`)",
         r"--rdzv_backend[=\s]c10d": "torchrun --rdzv_backend=c10d",
         r'--nnodes[=\s]"?\$SLURM_NNODES': "torchrun --nnodes=$SLURM_NNODES",
         r"NPROC_PER_NODE=\"\$\{NPROC_PER_NODE:-": "NPROC_PER_NODE overridable (for a CPU test)",
@@ -148,8 +153,25 @@ def test_sbatch_file_runs_on_slurm(sbatch_file, lesson_jobs, workdir):
         assert sorted(metrics["hosts"]) == sorted(hostnames * per_node), (
             f"expected {per_node} ranks on each of {hostnames}, got hosts {metrics['hosts']}. {story}"
         )
+        check_job_report(job, output, nodes * per_node, hostnames, story)
     finally:
         keep_output(job, workdir)
+
+
+def check_job_report(job, output: str, ranks: int, hostnames: list[str], story: str):
+    """The job report ends the output: every rank and node counted, each node's devices named, the figure beside
+    the .out file, and Slurm's own view of the job after it."""
+    report = output[output.rfind("=== job report") :] if "=== job report" in output else ""
+    assert report, f"no job report at the end of the output. {story}"
+    counted = f"{ranks} rank{'s' * (ranks > 1)} on {len(hostnames)} node{'s' * (len(hostnames) > 1)}"
+    assert f"job report: {counted}, " in report, f"{report}\n{story}"
+    for host in hostnames:
+        assert re.search(rf"^node {re.escape(host)}: \d+ (core|GPU)s? allocated, \d+ busy", report, re.M), (
+            f"no line for node {host} with its devices in the job report:\n{report}\n{story}"
+        )
+    assert "=== Slurm's view of job" in report, f"no Slurm view after the job report:\n{report}\n{story}"
+    png = job.output_file.with_suffix(".png")
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG", f"no figure {png} beside the output. {story}"
 
 
 def write_job(path: Path, body: str, options=(), output="%x-%j.out") -> Path:
@@ -233,18 +255,27 @@ def test_missing_output_file_is_reported(cluster, workdir):
 
 
 def test_jupyterlab_on_a_compute_node_prints_the_tunnel_and_serves(cluster, workdir):
-    """slurm/jupyterlab.sh (for sites without a Jupyter service): the job prints the ssh tunnel command,
-    then JupyterLab's address with its token; the test cancels the job once both are there."""
+    """slurm/jupyterlab.sh (for sites without a Jupyter service): the job prints the ssh tunnel command, then
+    JupyterLab's address with its token, which opens the README, and serves the course root as `make lab` does
+    (tests/test_browser.py checks that front door in a browser); the test cancels the job once it has checked."""
+    import urllib.request
+
     job = submit(ROOT / "slurm" / "jupyterlab.sh", options=["--time=00:03:00"])  # from the course root, as a learner
+    printed = re.compile(r"http://127\.0\.0\.1:\d+/lab/tree/README\.md\?token=\w+")  # the tunnel's end
     try:
         deadline, output = time.monotonic() + 120, ""
-        while time.monotonic() < deadline and "/lab?token=" not in output:
+        while time.monotonic() < deadline and not printed.search(output):
             time.sleep(1)
             job.record = job_record(job.job_id) or job.record
             output = job.output_file.read_text() if job.record.get("StdOut") and job.output_file.is_file() else ""
         story = job.describe()
         assert "ssh -N -L" in output, f"no tunnel command in the job's output. {story}"
-        assert "/lab?token=" in output, f"JupyterLab did not print its address within 120 s. {story}"
+        address = printed.search(output)
+        assert address, f"JupyterLab printed no address of the README within 120 s. {story}"
+        assert f"Serving notebooks from local directory: {ROOT}\n" in output, f"not the course root. {story}"
+        readme = address.group(0).replace("/lab/tree/README.md?", "/api/contents/README.md?content=0&")
+        with urllib.request.urlopen(readme, timeout=30) as answer:  # the nodes are this machine: no tunnel needed
+            assert json.load(answer)["path"] == "README.md", f"{readme} is not the course's README. {story}"
     finally:
         cancel(job)
         keep_output(job, workdir)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 import utils.course.compat  # noqa: F401  (older torch gets the collective names the lessons use)
+from utils import monitor
 
 # A collective that waits longer than this is a bug (a rank crashed, a rank skipped a collective,
 # the world size is wrong): fail with a message instead of hanging forever. COURSE_TIMEOUT_S overrides.
@@ -42,6 +43,11 @@ DEFAULT_TIMEOUT_S = 60
 
 class CourseError(RuntimeError):
     """A mistake the learner can fix; `run_main` prints it as one line, without a traceback."""
+
+
+class Refusal(CourseError):
+    """An option or a world size that cannot run, refused before any collective: every rank decides alike from
+    the same command line, so rank 0 alone prints it (the others exit with the same code, silently)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,6 +132,7 @@ def setup(seed: int = 0, timeout_s: float | None = None) -> tuple[int, int, torc
     if os.environ.get("COURSE_CHECK_DEVICE") == "1":
         _check_collective_devices(device)
     torch.manual_seed(seed + rank)
+    monitor.start_requested(rank, local_rank, world_size, device)  # with --watch: this rank's sampler thread
     return local_rank, rank, device, world_size
 
 
@@ -216,7 +223,8 @@ def _where_in_course_code(error: BaseException) -> str:
 def run_main(main, *args, **kwargs):
     """Call `main`; turn the errors a learner can fix into one line on stderr and exit code 2.
 
-    - a CourseError (wrong world size, missing dataset, ...) prints its message;
+    - a CourseError (wrong world size, missing dataset, ...) prints its message; a Refusal (an option every
+      rank refuses alike) is printed by rank 0 only;
     - an unfinished TODO in an exercise, `raise NotImplementedError("TODO n: ...")`, names the TODO
       (all ranks reach it together, so the job stops at once instead of hanging in a collective);
     - a collective that failed because another rank crashed, hung or skipped it says so and where,
@@ -224,10 +232,16 @@ def run_main(main, *args, **kwargs):
     """
     try:
         result = main(*args, **kwargs)
+        monitor.stop_running()  # with --watch: the sampler ends with the run (atexit would, later)
         # Free what main() built (models hold gloo work handles) while Python is fully alive:
         # left to interpreter shutdown, gloo's threads can abort the process after a clean run.
         gc.collect()
         return result
+    except Refusal as error:
+        if os.environ.get("RANK", "0") != "0":
+            time.sleep(3)  # rank 0 says it, once: its exit, not ours, should be the one the launcher sees first
+            sys.exit(2)
+        message = str(error)
     except CourseError as error:
         message = str(error)
     except NotImplementedError as error:

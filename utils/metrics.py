@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from utils import monitor
 from utils.distributed_utils import is_root_process
 from utils.gather import checksum, whole
 
@@ -51,11 +52,19 @@ def host_name() -> str:
 
 
 def write_metrics(path, **fields):
-    """Write `fields` plus world size and each rank's host as JSON. Call on every rank."""
+    """Write `fields` plus world size and each rank's host as JSON. Call on every rank.
+
+    With --watch, every rank's samples so far go in too, under "monitor" (a list: one record per rank)."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     hosts = [host_name()] * world_size
     if world_size > 1:
         dist.all_gather_object(hosts, host_name())  # a collective: every rank must call write_metrics
+    sampler = monitor.running()
+    if sampler is not None:
+        records = [sampler.record()] * world_size
+        if world_size > 1:  # only where every rank watches: --watch is on the command line all ranks share
+            dist.all_gather_object(records, sampler.record())
+        fields["monitor"] = records
     if path and is_root_process():
         record = {"world_size": world_size, "hosts": hosts, **fields}
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from utils import monitor
 from utils.data import DATASETS
-from utils.distributed_utils import CourseError, is_root_process
+from utils.distributed_utils import Refusal, is_root_process
 from utils.model import TINY, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,11 +32,19 @@ class CourseArgumentParser(argparse.ArgumentParser):
 
     No abbreviations: a shared option a script leaves out (e.g. --checkpoint in lesson 08) must be refused, not
     taken as the prefix of another option (--checkpoint-dir).
+
+    Every course script has --watch (see utils/monitor.py), whether or not it builds on base_parser. Not
+    "--monitor": torchrun's own parser reads that as an ambiguous prefix of its --monitor-interval and stops.
     """
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.add_argument(
+            "--watch", type=positive_float, nargs="?", const=1.0, default=None, metavar="SECONDS",
+            help="record how busy each device and process is, every SECONDS (default 1); "
+            "`python -m utils.monitor report` reads it",
+        )  # fmt: skip
 
     def error(self, message: str):
         print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
@@ -50,6 +59,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (an interval in seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
     return value
 
 
@@ -104,6 +124,9 @@ def base_parser(description: str, without: tuple[str, ...] = ()) -> CourseArgume
     return parser
 
 
+# Options every course parser has (CourseArgumentParser adds them), lesson 01's own parser too.
+EVERY_SCRIPT_OPTIONS = ("--watch",)
+
 SHARED_OPTIONS = (
     "--steps", "--seed", "--batch-size", "--optimizer", "--lr", "--dataset", "--data-dir", "--seq-len", "--dim",
     "--n-layers", "--n-heads", "--metrics-out", "--log-dir", "--log-every", "--wandb", "--checkpoint", "--autocast",
@@ -155,7 +178,15 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         if problem:
             option = "--" + name.replace("_", "-")
             parser.error(f"argument {option}: cannot write {path}: {problem}; choose a location you can write to")
+    if getattr(args, "watch", None):  # setup() starts the sampler once it knows the rank
+        monitor.request(args.watch, monitor_folder(args))
     return args
+
+
+def monitor_folder(args) -> Path:
+    """Where --watch writes each rank's samples: <--log-dir>/monitor ($COURSE_MONITOR_DIR wins, as in sbatch)."""
+    log_dir = getattr(args, "log_dir", None) or ROOT / "runs" / Path(sys.argv[0]).stem
+    return Path(log_dir) / "monitor"
 
 
 def check_batches(n_samples: int, args, world_size: int = 1, per_step: int = 1, what: str = "rank"):
@@ -169,7 +200,7 @@ def check_batches(n_samples: int, args, world_size: int = 1, per_step: int = 1, 
     if share < needed:
         largest = max(share // per_step, 0)
         fix = f"use --batch-size {largest} or less" if largest else "use fewer ranks"
-        raise CourseError(
+        raise Refusal(
             f"--batch-size {args.batch_size} is too large: {args.dataset} has {n_samples} blocks of "
             f"{args.seq_len + 1} tokens, {share} per {what} over {world_size}, and one step needs {needed}; "
             f"{fix}, or a shorter --seq-len"

@@ -33,6 +33,8 @@ RUNS = {  # lesson: (processes, arguments)
     "08": (2, [*SMALL, "--checkpoint-every", "2"]),
     "09": (2, [*SMALL, "--impl", "ring", "--cp-split", "zigzag"]),  # the ring: batch_isend_irecv, its Function
     "10": (2, [*SMALL, "--impl", "builtin", "--dispatch", "padded"]),  # all_to_all_single's autograd form
+    # FSDP2's explicit prefetch and selective checkpointing's policy, profiled (the trace's events by name)
+    "11": (2, [*SMALL, "--strategy", "fsdp", "--prefetch", "explicit", "--checkpointing", "selective"]),
 }
 
 

@@ -8,7 +8,8 @@ each of its strategies, methods, schedules and implementations (CHECKS below):
 - its losses match the CPU/gloo run of the same configuration within the check's tolerance (fp32 and SGD,
   with TF32 off: a GPU and a CPU sum in different orders, so they agree to rounding, not to the bit);
 - lesson 08: a rank SIGKILLed mid-run under `torchrun --max-restarts 1` resumes to the bit-identical
-  losses and parameters of the uninterrupted GPU run.
+  losses and parameters of the uninterrupted GPU run;
+- --watch: NVML's utilization, memory and power of every visible GPU, torch.cuda's peak, and the job report.
 On a node with one GPU every check runs at world size 1 (NCCL refuses two ranks on one GPU: the first
 line printed says what this node allows), so it proves devices, dtypes and NCCL calls, not multi-rank
 parity; the CPU test suite proves that.
@@ -97,6 +98,13 @@ CHECKS = [
     # all_to_all_single with its counts on the host (dropless), fixed buffers (padded).
     *(Check("10", f"EP {dispatch} {impl}", [*SMALL, "--dispatch", dispatch, "--impl", impl, "--experts", "8"])
       for dispatch in ("dropless", "padded") for impl in ("scratch", "builtin")),
+    # Lesson 11: profiled steps (the CUDA branch of the trace's breakdown: kernels, NCCL's among them), FSDP2's explicit
+    # prefetch, and the speed-ups one at a time.
+    Check("11", "DDP profiled", [*SMALL, "--strategy", "ddp"]),
+    Check("11", "FSDP2 explicit prefetch", [*SMALL, "--strategy", "fsdp", "--prefetch", "explicit"]),
+    Check("11", "fused optimizer, selective checkpointing", [*SMALL, "--optimizer-impl", "fused", "--checkpointing",
+                                                         "selective"]),
+    Check("11", "bf16 autocast, compiled", [*SMALL, "--autocast", "bf16", "--compile"], LOW_PRECISION_RTOL),
 ]  # fmt: skip
 QUICK = {"baseline", "collectives and ring", "DDP built-in", "fsdp", "DTensor TP + SP", "scratch 1f1b", "none",
          "checkpoints", "CP ring, zigzag", "EP dropless scratch"}  # fmt: skip
@@ -123,6 +131,8 @@ def launch(check: Check, nproc: int, folder: Path, env: dict) -> Run:
     args = [*check.args, *(["--log-dir", folder / "runs"] if check.logs else [])]
     if check.lesson == "08":
         args += ["--checkpoint-dir", folder / "checkpoints"]
+    if check.lesson == "11":  # every lesson 11 check profiles its steps: one trace per rank
+        args += ["--profile", folder / "traces"]
     if check.lesson == "04" and nproc > 4:  # heads (and the width) must split over the GPUs
         args += ["--n-heads", str(nproc), "--dim", str(16 * nproc)]
     if check.lesson == "09" and nproc > 4:  # Ulysses gives each rank whole heads
@@ -185,6 +195,41 @@ def check_resume_after_kill(gpus: int, tmp: Path) -> list[str]:
     if killed["losses"] != reference["losses"] or killed["param_checksum"] != reference["param_checksum"]:
         return [f"the resumed run is not bit-identical: {killed['losses']} vs {reference['losses']}"]
     return []
+
+
+def check_watch_records_the_gpus(gpus: int, tmp: Path) -> list[str]:
+    """--watch on CUDA: NVML's fields for every visible GPU (utilization, memory used, power) and torch.cuda's peak,
+    the GPU lesson 00 trains on busy, and the job report naming the GPUs it left idle."""
+    from utils import monitor
+
+    folder = tmp / "00" / "watch"
+    args = [*SMALL[2:], "--steps", "400", "--batch-size", "64", "--watch", "0.2", "--log-dir", folder / "runs"]
+    run = torchrun(lesson_script("00"), 1, args, tmp_path=folder, env=gpu_env(), timeout=600, cold=True)
+    if run.returncode != 0 or run.metrics is None:
+        return [f"the GPU run failed (exit {run.returncode}):\n{run.tail(25)}"]
+    record = run.metrics["monitor"][0]
+    samples = [s for s in record["samples"] if "gpus" in s]
+    problems = []
+    if record["device_kind"] != "gpu" or record["devices_allocated"] != gpus or len(samples) < 3:
+        problems.append(f"expected {gpus} GPUs and 3 samples or more with NVML fields: {json.dumps(record)[:400]}")
+    for sample in samples:
+        for gpu in sample["gpus"]:
+            if not (0 <= gpu["util_percent"] <= 100 and gpu["mem_used_bytes"] > 0 and gpu["power_w"] > 0):
+                problems.append(f"an NVML reading out of range: {gpu}")
+        if not sample.get("cuda_peak_bytes", 0) > 0:
+            problems.append(f"no torch.cuda peak memory in {sample}")
+    if samples and max(s["gpus"][0]["util_percent"] for s in samples) == 0:
+        problems.append("GPU 0 never busy while lesson 00 trained on it")
+    lines = monitor.report_lines(monitor.load(Path(passed_metrics(run))))
+    idle = f"1 of {gpus} GPUs busy: the script runs one process"
+    if gpus > 1 and lines[-1] != idle:
+        problems.append(f"the report should end with {idle!r}:\n" + "\n".join(lines))
+    return problems[:5]
+
+
+def passed_metrics(run: Run) -> str:
+    command = [str(part) for part in run.command]
+    return command[command.index("--metrics-out") + 1]
 
 
 def can_share_a_gpu(tmp: Path) -> str:
@@ -286,6 +331,8 @@ def main() -> int:
     jobs = {f"lesson {c.lesson} {c.label}": (check_one, c, gpus, args.out) for c in checks}
     if (args.lessons is None or "08" in args.lessons) and not args.no_checks:
         jobs["lesson 08 killed and resumed, bit-identical"] = (check_resume_after_kill, gpus, args.out)
+    if (args.lessons is None or "00" in args.lessons) and not args.no_checks:
+        jobs["--watch: NVML fields and the job report"] = (check_watch_records_the_gpus, gpus, args.out)
     failed = 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(*job): name for name, job in jobs.items()}

@@ -17,15 +17,18 @@ import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.harness.blame import blame_output
 from utils.course.notebook import kill_tree
 from utils.course.warm_ranks import SOCKET_VARIABLE, WarmRanks
 
 ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER_TRACE = "torch/distributed/run.py"  # torchrun's own traceback, printed after its ranks' errors
 
 
 @dataclass
@@ -35,28 +38,49 @@ class Run:
     output: str  # stdout and stderr together, as a learner sees them
     metrics: dict | None
 
-    def tail(self, lines: int = 40) -> str:
-        """The output's last lines, without torchrun's own traceback (the ranks' errors come before it)."""
+    def tail(self, lines: int = 40, blamed: bool = True) -> str:
+        """The blame (which TODO's code raised, where, with what error) when the run crashed in a lesson script's
+        TODO, then the output's last lines without torchrun's own traceback (the ranks' errors come before it)."""
         kept = self.output.splitlines()
-        if "Traceback (most recent call last):" in kept:  # unprefixed: the launcher's, not a rank's
-            kept = kept[: kept.index("Traceback (most recent call last):")]
-        return "\n".join(kept[-lines:])
+        launcher = next((i for i, line in enumerate(kept) if line == "Traceback (most recent call last):"
+                         and any(LAUNCHER_TRACE in later for later in kept[i : i + 60])), None)  # fmt: skip
+        kept = kept[:launcher] if launcher is not None else kept
+        text = "\n".join(kept[-lines:]).strip("\n") or f"(nothing printed; exit code {self.returncode})"
+        blame = self.blame() if blamed and self.returncode else None
+        return f"{blame}\n{text}" if blame else text
+
+    def blame(self):
+        """The TODO whose code raised in this run (tests/harness/blame.py), or None: frames in the script and in
+        the lesson scripts it was given (a worker's argument)."""
+        scripts = [arg for arg in map(str, self.command) if arg.endswith(".py")]
+        return next((found for script in scripts if (found := blame_output(self.output, script))), None)
 
     def check(self) -> "Run":
-        """Fail with the command and the output's tail unless the run succeeded."""
-        assert self.returncode == 0, (
-            f"`{' '.join(map(str, self.command))}` exited {self.returncode}. Its last lines:\n{self.tail()}"
-        )
+        """Fail with the command and the output's tail (led by the blame, when a TODO's code raised)."""
+        command = " ".join(map(str, self.command))
+        assert self.returncode == 0, f"`{command}` exited {self.returncode}. Its last lines:\n{self.tail()}"
         return self
 
 
 def finished(result: Run, todo: int) -> dict:
-    """The run's metrics, or a failure naming the TODO the run stopped at (else `todo`): what a learner's
-    `make check` line shows when a lesson run fails."""
-    stopped = re.search(r"TODO (\d+):", result.output)
-    name = f"TODO {stopped.group(1)}" if stopped else f"checking TODO {todo}"
-    assert result.returncode == 0, f"{name}: the run failed. Its last lines:\n{result.tail()}"
+    """The run's metrics, or a failure naming the TODO whose code raised, else the TODO the run stopped at, else
+    `todo`: what a learner's `make check` line shows when a lesson run fails."""
+    if result.returncode != 0:
+        blame = result.blame()
+        if blame:
+            lines = result.tail(blamed=False)
+            raise AssertionError(f"{blame}\n(the run checking TODO {todo} failed there) Its last lines:\n{lines}")
+        stopped = re.search(r"TODO (\d+):", result.output)
+        name = f"TODO {stopped.group(1)}" if stopped else f"checking TODO {todo}"
+        raise AssertionError(f"{name}: the run failed. Its last lines:\n{result.tail()}")
     return result.metrics
+
+
+def fresh_folder(folder: Path) -> Path:
+    """An empty folder for a run's files, also when a test asks again for a run whose first launch failed."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
 
 
 def course_env(**extra) -> dict:

@@ -24,22 +24,34 @@ def pytest_configure(config):
         warm_pool(course_env())  # started before the first kernel, so that every kernel finds it
 
 
+def pytest_ignore_collect(collection_path, config):
+    """Lessons 00, 01 and 10 run in the browser when the browser test runs in the same session (`make test`), which
+    compares their outputs as nbval does (tests/harness/notebook_outputs.py): nbval leaves them out then."""
+    from tests.harness.notebook_outputs import IN_BROWSER, browser_runs_in
+
+    if collection_path.suffix == ".ipynb" and collection_path.stem in IN_BROWSER and browser_runs_in(config.args):
+        return True
+    return None
+
+
 # The longest files and notebooks, longest first (their times in `make test`'s report, two streams on 2 cores).
 # A stream takes a whole file at a time: started last, a long file would leave the other stream idle at the end.
 # xdist hands each stream two files to begin with, in turn (the 1st and 3rd to one stream): test_slurm.py and
 # lesson 08's file, whose requeue test queues a Slurm job too, go to the same stream, so that job does not wait
-# behind the sbatch files' jobs (test_slurm.py submits them all at once).
+# behind the sbatch files' jobs (test_slurm.py submits them all at once). The browser test (one lab; lessons 00, 01 and
+# 10, which nbval then leaves out: pytest_ignore_collect above) starts at once in the other stream.
 LONGEST_FIRST = [
     "tests/test_slurm.py",
-    "tests/test_03_zero_fsdp.py",
+    "tests/test_browser.py",
     "tests/test_08_fault_tolerance.py",
-    "notebooks/01_collectives.ipynb",
+    "tests/test_03_zero_fsdp.py",
     "tests/test_04_tensor_parallel.py",
     "tests/test_06_3d_parallelism.py",
     "tests/test_notebook_ranks.py",
     "tests/test_02_data_parallel.py",
     "notebooks/02_data_parallel.ipynb",
     "tests/test_05_pipeline_parallel.py",
+    "tests/test_11_where_the_time_goes.py",
     "tests/test_01_collectives.py",
     "notebooks/03_zero_fsdp.ipynb",
     "tests/test_07_communication_efficient.py",

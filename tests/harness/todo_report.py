@@ -15,6 +15,9 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
+from tests.harness.blame import blame_exception, blame_in
 from utils.course.hints import seen
 from utils.course.make_exercises import HINT_LEVELS, TODO_HEADER, make_exercise
 
@@ -70,7 +73,7 @@ def one_line(report) -> str:
     first = text.strip().splitlines()[0] if text.strip() else "failed"
     first = re.sub(r"^(AssertionError|Failed|RuntimeError|[A-Za-z]+Error):\s*", "", first)
     first = re.sub(r"^TODO \d+(?: \([^)]*\))?[:,]\s*", "", first)
-    return first if len(first) <= 200 else first[:197] + "..."
+    return first if len(first) <= 320 else first[:317] + "..."
 
 
 def hint_note(lesson: str, todo) -> str:
@@ -84,21 +87,67 @@ def hint_note(lesson: str, todo) -> str:
     return f" (hints read: {level} of {HINT_LEVELS}; `{ask}` for the {'first' if level == 0 else 'next'})"
 
 
+def check_words(test_name: str) -> str:
+    """A whole-script check's name in words: test_shared_options_change_the_run -> shared options change the run."""
+    return re.sub(r"\[.*\]$", "", test_name).removeprefix("test_").replace("_", " ")
+
+
+WAITS = re.compile(r"needs TODOs? ([\d, ]+) first|waits for TODO (\d+)")
+
+
+def waits_for(line: str) -> str | None:
+    """'TODO 5' (or 'TODOs 1, 3') when a skip reason or failure line says the check waits for earlier TODOs."""
+    match = WAITS.search(line)
+    if not match:
+        return None
+    numbers = [n.strip() for n in (match.group(1) or match.group(2)).split(",") if n.strip()]
+    return ("TODO " if len(numbers) == 1 else "TODOs ") + ", ".join(numbers)
+
+
 class TodoReport:
-    """A pytest plugin: collect each test's outcome by lesson and TODO; print the learner's summary."""
+    """A pytest plugin: collect each test's outcome by lesson and TODO; print the learner's summary.
+
+    A failure whose code raised inside another TODO's lines (tests/harness/blame.py) is that TODO's: it shows there,
+    with the file, the line and the error, and the check that ran it waits for that TODO."""
 
     def __init__(self, folder: Path | None = None):
         self.folder = folder or ROOT / "exercises"  # where the learner's scripts are
-        self.outcomes = defaultdict(lambda: defaultdict(list))  # lesson -> todo (or None) -> [(name, report)]
+        # lesson -> todo (or None: the whole-script checks) -> [(test name, outcome, one line)]
+        self.outcomes = defaultdict(lambda: defaultdict(list))
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        """An exception raised in this process by a learner's function: remember which TODO's code raised it."""
+        outcome = yield
+        report = outcome.get_result()
+        if call.excinfo is not None and report.failed:
+            blame = blame_exception(call.excinfo.value, self.folder)
+            if blame:
+                report.user_properties.append(("blame", str(blame)))
 
     def pytest_runtest_logreport(self, report):
-        if report.when == "call" or report.outcome != "passed":  # setup errors count as failures too
-            lesson = re.match(r"tests/test_(\d\d)_", report.nodeid)
-            if not lesson:
-                return
-            name = report.nodeid.split("::")[-1]
-            for todo in todos_of(name) or [None]:
-                self.outcomes[lesson.group(1)][todo].append((name, report))
+        if not (report.when == "call" or report.outcome != "passed"):  # setup errors count as failures too
+            return
+        lesson = re.match(r"tests/test_(\d\d)_", report.nodeid)
+        if not lesson:
+            return
+        name = report.nodeid.split("::")[-1]
+        by_todo, todos = self.outcomes[lesson.group(1)], todos_of(name)
+        if report.outcome == "skipped":
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            for todo in todos or [None]:
+                by_todo[todo].append((name, "skipped", reason))
+            return
+        line = one_line(report) if report.failed else ""
+        texts = (dict(report.user_properties).get("blame", ""), str(report.longrepr))
+        blamed, blame = next(filter(None, (blame_in(text, lesson.group(1)) for text in texts)), (None, None))
+        if blamed is not None:  # the code that raised is TODO `blamed`'s: its failure, and this check waits for it
+            by_todo[blamed].append((name, "failed", blame))
+            for todo in [t for t in todos if t != blamed] or ([None] if not todos else []):
+                by_todo[todo].append((name, "failed", f"waits for TODO {blamed}"))
+            return
+        for todo in todos or [None]:
+            by_todo[todo].append((name, report.outcome, line))
 
     def pytest_terminal_summary(self, terminalreporter):
         write = terminalreporter.write_line
@@ -113,28 +162,57 @@ class TodoReport:
             width = max(len(t.title) for t in todos) + 3
             for todo in todos:
                 results = by_todo.get(todo.number, [])
-                failures = [r for _, r in results if r.outcome == "failed"]
+                failures = [line for _, outcome, line in results if outcome == "failed"]
+                # A failure of this TODO's own code comes before its checks that wait for another TODO.
+                failures.sort(key=lambda line: line.startswith("waits for"))
                 untouched = todo.number in waiting
-                passed = [r for _, r in results if r.outcome == "passed"]
+                passed = [name for name, outcome, _ in results if outcome == "passed"]
                 if passed and not failures:
                     status, done = "passing", done + 1
                 elif untouched:
                     status = "not started"
-                elif failures and all(one_line(r).startswith("waits for") for r in failures):
-                    status = f"not checked yet ({one_line(failures[0])})"
+                elif failures and all(line.startswith("waits for") for line in failures):
+                    status = f"not checked yet ({failures[0]})"
                 elif failures:
-                    status = f"failing: {one_line(failures[0])}" + hint_note(lesson, todo)
+                    status = f"failing: {failures[0]}" + hint_note(lesson, todo)
                 elif results:  # every test of this TODO skipped: it needs the TODOs before it
-                    status = "not checked yet (needs the TODOs before it)"
+                    named = next(filter(None, (waits_for(line) for _, _, line in results)), None)
+                    status = (
+                        f"not checked yet (waits for {named})"
+                        if named
+                        else "not checked yet (needs the TODOs before it)"
+                    )
                 else:
                     status = "no test selected"
                 write(f"  TODO {todo.number:<2} {(todo.title + ' ').ljust(width, '.')} {status}")
-            others = [(n, r) for n, r in by_todo.get(None, []) if r.outcome != "skipped"]
-            failed = [(n, r) for n, r in others if r.outcome == "failed"]
-            if others:
-                write(f"  other checks: {len(others) - len(failed)} of {len(others)} passing")
-                for name, report in failed[:5]:
-                    write(f"    {name}: {one_line(report)}")
-            elif by_todo.get(None) and waiting:
-                write(f"  other checks (the whole script): run once every TODO is started (TODO {min(waiting)} is not)")
+            self.write_other_checks(write, by_todo.get(None, []), waiting)
             write(f"{done} of {len(todos)} TODOs done")
+
+    @staticmethod
+    def write_other_checks(write, others, waiting):
+        """The checks of the whole script (named after no TODO): how many pass, which wait for which TODO, and
+        the first failing ones with their line."""
+        if not others:
+            return
+        if waiting and all(outcome == "skipped" for _, outcome, _ in others):
+            write(f"  other checks (the whole script): run once every TODO is started (TODO {min(waiting)} is not)")
+            return
+        passing = [name for name, outcome, _ in others if outcome == "passed"]
+        pending = defaultdict(list)  # "TODO 5" -> the checks waiting for it
+        failed, skipped = [], []
+        for name, outcome, line in others:
+            if outcome in ("skipped", "failed") and (todos := waits_for(line)):
+                pending[todos].append(check_words(name))
+            elif outcome == "failed":
+                failed.append((name, line))
+            elif outcome == "skipped":
+                skipped.append(name)
+        parts = [f"{len(passing)} of {len(others)} passing"]
+        parts += [f"{len(names)} waiting for {todos}" for todos, names in pending.items()]
+        parts += [f"{len(failed)} failing"] if failed else []
+        parts += [f"{len(skipped)} skipped here ({'; '.join(map(check_words, skipped))})"] if skipped else []
+        write(f"  other checks (the whole script's runs, options and refusals): {', '.join(parts)}")
+        for todos, names in pending.items():
+            write(f"    waiting for {todos}: {'; '.join(names)}")
+        for name, line in failed[:5]:
+            write(f"    {check_words(name)}: {line}")

@@ -7,7 +7,8 @@ earn partial credit?
 For each mutant, the lesson's solution with that one mistake becomes a learner's completed exercise (in a
 temporary folder) and `make check`'s machinery runs on it (the lesson's tests with --target-dir, then the
 one-line-per-TODO report). The table shows lesson, TODO, the mistake, and the line a learner would see.
-Killed: the mutant's TODO is "failing" and no other TODO is. A lesson may also list VARIANTS (correct answers
+Killed: the mutant's TODO is "failing", its line shows the words the entry names (`shows`: what differed or the
+likely cause), and no other TODO is failing. A lesson may also list VARIANTS (correct answers
 written another way, as Mutants): each must be accepted, its TODO "passing" and no TODO failing. Every TODO's
 tests run (the lesson's whole-script checks, which no TODO line reads, do not); --quick runs only the tests named
 after the mutant's TODO (faster while writing mutants; it cannot see another TODO being blamed).
@@ -127,8 +128,10 @@ def run_mutants(selected: list[str], todo: int | None, quick: bool) -> int:
                 statuses, _, output = check(lesson, learner, f"todo{mutant.todo}_ or todos_" if quick else "todo")
                 own = statuses.get(mutant.todo, "no report:\n" + output[-1500:])
                 blamed = [n for n, s in statuses.items() if n != mutant.todo and s.startswith("failing")]
-                ok = (own == "passing" if variant else own.startswith("failing")) and not blamed
+                missing = [word for word in mutant.shows if word.lower() not in own.lower()]
+                ok = (own == "passing" if variant else own.startswith("failing") and not missing) and not blamed
                 seen = f"TODO {mutant.todo} {own}" + (f"; also blamed: TODO {blamed}" if blamed else "")
+                seen += f"; the line lacks {missing}" if missing and not variant else ""
             except ValueError as error:
                 ok, seen = False, f"does not apply: {error}"
             survivors += not ok

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.harness.blame import describe
 from utils.distributed_utils import destroy_process_group, run_main, setup
 from utils.model import ModelConfig, build_model, loss_fn
 
@@ -221,7 +222,7 @@ def main():
         except NotImplementedError as error:
             results["stopped"][name] = str(error)
         except Exception as error:  # noqa: BLE001 - recorded for the test to report, with its type
-            results["failed"][name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+            results["failed"][name] = describe(error)
         dist.barrier()
     if rank == 0:
         results_path.write_text(json.dumps(results, indent=1))

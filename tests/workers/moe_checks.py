@@ -18,8 +18,8 @@ Rank 0 prints one line per check: "RESULT <check> ok" or "RESULT <check> TODO n:
 
 import argparse
 import importlib.util
+import math
 import sys
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,8 +30,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from tests.harness.blame import describe  # noqa: E402
 from utils.distributed_utils import destroy_process_group, setup  # noqa: E402
-from utils.lesson_10.reference import reference_model, reference_routing, slot_problem  # noqa: E402
+from utils.lesson_10.reference import kept_problem, reference_model, reference_routing, slot_problem  # noqa: E402
 from utils.model import ModelConfig, loss_fn  # noqa: E402
 
 TOLERANCE = 1e-6
@@ -88,10 +89,22 @@ def checked_exchange(script, todo: int):
         sends = [row[3 : 3 + world_size].tolist() for row in everyone]
         expects = [row[3 + world_size :].tolist() for row in everyone]
         for rank, row in enumerate(everyone):
-            if row[:3].tolist() != [world_size, world_size, 0]:
+            if row[:2].tolist() != [world_size, world_size]:
                 raise InconsistentSplits(
-                    f"TODO {todo}: rank {rank} gives {int(row[0])} input and {int(row[1])} output splits for "
-                    f"{world_size} ranks, or input splits that do not add up to its rows"
+                    f"TODO {todo}: rank {rank} gives {int(row[0])} input and {int(row[1])} output splits: one of "
+                    f"each per rank ({world_size})"
+                )
+            if int(row[2]) != 0:
+                rows_sent = sends[rank]
+                raise InconsistentSplits(
+                    f"TODO {todo}: rank {rank}'s input splits {rows_sent} add up to {sum(rows_sent)}, but it sends "
+                    f"{sum(rows_sent) - int(row[2])} rows: the input splits count the rows this rank sends, the "
+                    "output splits those it receives (swapped?)"
+                )
+            if expects != [list(column) for column in zip(*sends)] and expects == sends:
+                raise InconsistentSplits(
+                    f"TODO {todo}: every rank expects to receive what it sends itself (rank {rank}: {expects[rank]}): "
+                    "what a rank receives is what the others send it, known only from the counts exchange"
                 )
             for source in range(world_size):
                 if expects[rank][source] != sends[source][rank]:
@@ -112,12 +125,15 @@ def check_capacity(script, rank, world_size, group):
         want = torch.zeros(TOKENS, K, dtype=torch.bool)
         for t, i in kept:
             want[t, i] = True
-        if not torch.equal(got.bool(), want):
+        want_capacity = math.ceil(factor * TOKENS * K / N_EXPERTS)
+        if capacity != want_capacity:
             return (
-                f"TODO 2: at {world_size} ranks, rank {rank} keeps {int(got.sum())} of its {TOKENS * K} choices, "
-                f"the reference {int(want.sum())} (capacity factor {factor}): each rank caps its own "
-                f"T = {TOKENS} tokens, capacity = ceil(C x T x k / E), not the global batch's"
+                f"TODO 2: at {world_size} ranks, capacity factor {factor}: rank {rank}'s capacity is {capacity}, want "
+                f"{want_capacity}: each rank caps its own T = {TOKENS} tokens (C x T x k / E), not the global batch's"
             )
+        problem = kept_problem(choices, want, got, want_capacity)
+        if problem is not None:
+            return f"TODO 2: at {world_size} ranks, rank {rank}, capacity factor {factor}: {problem}"
         problem = slot_problem(choices, want, slots, capacity)
         if problem is not None:
             return f"TODO 2: at {world_size} ranks, rank {rank}, capacity factor {factor}: {problem}"
@@ -141,8 +157,18 @@ def check_dispatch(script, rank, world_size, group):
             f"{plan.recv_splits} (want {[sum(c) for c in counts]}): what a rank receives comes from the counts exchange"
         )
     flat = routing.experts.flatten()
-    if sorted(plan.order.tolist()) != list(range(TOKENS * K)) or not torch.all(flat[plan.order].diff() >= 0):
-        return f"TODO 3: rank {rank}: plan.order must list every one of the {TOKENS * K} choices, ordered by expert"
+    if sorted(plan.order.tolist()) != list(range(TOKENS * K)):
+        return (
+            f"TODO 3: rank {rank}: plan.order has {plan.order.numel()} entries, {len(set(plan.order.tolist()))} "
+            f"different: it must list each of the {TOKENS * K} choices (indices into the flattened [T, k]) once"
+        )
+    if not torch.all(flat[plan.order].diff() >= 0):
+        j = int((flat[plan.order].diff() < 0).nonzero()[0]) + 1
+        return (
+            f"TODO 3: rank {rank}: plan.order's entry {j} is a choice of expert {int(flat[plan.order[j]])} after one "
+            f"of expert {int(flat[plan.order[j - 1]])}: order the choices by expert, so that each rank's rows and "
+            "each expert's are contiguous"
+        )
     orders: list = [None] * world_size  # every sender's plan: which of its choices each row it sent is
     dist.all_gather_object(orders, plan.order.tolist(), group=group)
     at = 0
@@ -154,10 +180,7 @@ def check_dispatch(script, rank, world_size, group):
             here, sent, at = sent[: len(expert_rows)], sent[len(expert_rows) :], at + len(expert_rows)
             here_tokens = [c // K for c in here]
             if sorted(here_tokens) != expert_rows or not torch.equal(chunk, source_tokens[here_tokens]):
-                return (
-                    f"TODO 3: rank {rank} received rows from rank {source} that are not the tokens its plan.order "
-                    "lists, grouped by source rank, then by expert (sort the choices by expert)"
-                )
+                return f"TODO 3: rank {rank}: " + rows_problem(chunk, source_tokens, here, source, at - len(here))
     if not received.requires_grad:
         return (
             f"TODO 3: rank {rank}: the rows arrive without a way back for their gradients: send them with "
@@ -175,6 +198,25 @@ def check_dispatch(script, rank, world_size, group):
             f"TODO 3: rank {rank}: the tokens get no or wrong gradients back from the dispatch: send them with "
             "`exchange` (differentiable), not dist.all_to_all_single"
         )
+
+
+def rows_problem(chunk, source_tokens, choices, source: int, first_row: int) -> str:
+    """The first row received from `source` that is not the token of the choice its plan.order lists there, with
+    the likely cause when the row is another known token."""
+    for j, choice in enumerate(choices):
+        want = choice // K
+        if j >= chunk.shape[0] or not torch.equal(chunk[j], source_tokens[want]):
+            same = [t for t in range(TOKENS) if j < chunk.shape[0] and torch.equal(chunk[j], source_tokens[t])]
+            got = f"token {same[0]}" if same else "no token of that rank"
+            cause = (
+                ": choice c is token c // k (each token makes k choices)" if same and same[0] == choice % TOKENS else
+                ": are the rows sent in plan.order, grouped by destination rank, then by expert?"
+            )  # fmt: skip
+            return (
+                f"row {first_row + j} (from rank {source}) is {got}, but that sender's plan.order lists choice "
+                f"{choice} there, token {want}{cause}"
+            )
+    return f"the rows from rank {source} are not the tokens its plan.order lists"
 
 
 def reference_plan(script, rank, world_size):
@@ -205,10 +247,7 @@ def check_combine(script, rank, world_size, group):
     factor = routing.experts + 1.0  # [T, k]: (e + 1) for each choice
     want = (gates.detach() * factor).sum(dim=1, keepdim=True) * tokens
     if not close(output, want):
-        return (
-            f"TODO 4: rank {rank}'s combined output differs from the sum over its choices of gate x result: bring the "
-            "results back with the splits swapped, to the token each row came from (plan.order // k), weighted"
-        )
+        return f"TODO 4: rank {rank}: " + combine_problem(output.detach(), want, plan, routing, tokens)
     (output * weights).sum().backward()
     if gates.grad is None or not close(gates.grad, factor * (tokens * weights).sum(dim=1, keepdim=True)):
         return f"TODO 4: rank {rank}: the gates get no or wrong gradients: weight the results by the gates as tensors"
@@ -222,6 +261,40 @@ def check_combine(script, rank, world_size, group):
                 want_results.append(source_gates[t, rank_routing(source)[0][t].index(expert)] * source_weights[t])
     if results.grad is None or not close(results.grad, torch.stack(want_results)):
         return f"TODO 4: rank {rank}: the experts' results get wrong gradients back (gate x the token's gradient)"
+
+
+def combine_problem(output, want, plan, routing, tokens) -> str:
+    """Where the combined output first differs from the reference, and the likely cause when a known mistake gives
+    exactly what came back. The results return in the order the rows left (plan.order); result c is (e_c + 1) x the
+    token of choice c."""
+    order, gates = plan.order, routing.gates.detach().flatten()
+    back = (routing.experts.flatten()[order] + 1.0)[:, None] * tokens[order // K]
+    token_of = order // K
+
+    def added(weights, to):
+        return torch.zeros_like(want).index_add(0, to, back * weights[:, None])
+
+    last_wins = torch.zeros_like(want)
+    last_wins[token_of] = back * gates[order][:, None]
+    mistakes = {
+        "the gates do not follow the rows' order: the results come back in the order the rows left (plan.order), "
+        "so read each row's gate in that order": added(gates, token_of),
+        "the results are not weighted by their gates": added(torch.ones_like(gates), token_of),
+        "each result is assigned to its token, not added: a token with k choices keeps only one of its results":
+            last_wins,
+        "the results are added to the tokens in the order they came back, not to the token each row came from "
+        "(plan.order)": added(gates[order], torch.arange(order.numel()) // K),
+        "the results go to the wrong tokens: choice c is token c // k":
+            added(gates[order], order % (order.numel() // K)),
+    }  # fmt: skip
+    cause = next((why for why, wrong in mistakes.items() if close(output, wrong)), None)
+    if output.shape != want.shape:
+        return f"the combined output has shape {list(output.shape)}, want {list(want.shape)} [T, D]"
+    token, feature = divmod(int((output - want).abs().argmax()), want.shape[1])
+    first = (
+        f"token {token}'s output is {output[token, feature]:.4f} at feature {feature}, want {want[token, feature]:.4f}"
+    )
+    return first + (f": {cause}" if cause else ": each token's output is the sum over its choices of gate x result")
 
 
 def check_gradients(script, rank, world_size, group):
@@ -335,11 +408,9 @@ def main() -> int:
         except NotImplementedError as error:
             problems[name] = f"TODO {todo}: not done yet ({error})" if todo.isdigit() else f"not done yet ({error})"
         except Exception as error:  # noqa: BLE001 - a learner's mistake that raises: say what and where
-            where = traceback.extract_tb(error.__traceback__)[-1]
-            prefix = f"TODO {todo}: " if todo.isdigit() else ""
-            problems[name] = (
-                f"{prefix}rank {rank}: {type(error).__name__}: {error} ({Path(where.filename).name}:{where.lineno})"
-            )
+            blamed = describe(error)
+            prefix = f"TODO {todo}: " if todo.isdigit() and not blamed.startswith("TODO ") else ""
+            problems[name] = f"{prefix}rank {rank}: {blamed}" if prefix else blamed
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, problems)
     if rank == 0:

@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tests.harness.blame import describe  # noqa: E402
 from utils.distributed_utils import wait_for_idle_threads  # noqa: E402
 from utils.model import ModelConfig, build_model, loss_fn  # noqa: E402
 
@@ -51,7 +52,7 @@ def check(script, schedule: str) -> str | None:
     except NotImplementedError as error:
         return f"not done yet ({error})"
     except Exception as error:
-        return f"--schedule {schedule}: build_builtin_schedule or its step raised {type(error).__name__}: {error}"
+        return f"--schedule {schedule}: " + describe(error, "build_builtin_schedule or its step")
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         if p.grad is None:
             return f"--schedule {schedule}: {name} got no gradient"

@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tests.harness.blame import describe  # noqa: E402
 from utils.distributed_utils import destroy_process_group, setup  # noqa: E402
 
 DP_GROUPS = [[0, 2], [1, 3]]
@@ -62,7 +63,7 @@ def main() -> int:
     except NotImplementedError as error:
         problem = f"not done yet ({error})"
     except Exception as error:  # noqa: BLE001 - a learner's mistake that raises: say what it raised
-        problem = f"average_gradients raised {type(error).__name__}: {error}"
+        problem = describe(error, "average_gradients")
     for index, p in enumerate(params):
         if problem:
             break

@@ -10,7 +10,6 @@ model on one process (utils/model.py): its loss and every gradient.
 
 import json
 import sys
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tests.harness.blame import describe  # noqa: E402
 from utils.course.lessons import lesson as course_lesson  # noqa: E402
 from utils.course.lessons import load_script  # noqa: E402
 from utils.distributed_utils import CourseError, destroy_process_group, setup  # noqa: E402
@@ -140,8 +140,7 @@ def main():
         except CourseError as error:
             results[name] = str(error)
         except Exception as error:  # noqa: BLE001 - report any failure under its TODO
-            where = traceback.extract_tb(error.__traceback__)[-1]
-            results[name] = f"{type(error).__name__}: {error} ({Path(where.filename).name}:{where.lineno})"
+            results[name] = describe(error)
     everyone = [None] * n
     dist.all_gather_object(everyone, results)
     if rank == 0:

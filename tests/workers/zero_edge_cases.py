@@ -22,7 +22,6 @@ The model and the inputs live on the rank's device (CPU with gloo, the GPU with 
 import json
 import math
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.harness.blame import describe
 from utils.course.lessons import load_script
 from utils.distributed_utils import destroy_process_group, run_main, setup
 from utils.gather import full_parameters
@@ -78,9 +78,7 @@ def outcome(check, *args) -> dict:
     except NotImplementedError as error:
         return {"not_done": str(error)}
     except Exception as error:  # a learner's mistake: report it, go on with the other checks
-        frame = traceback.extract_tb(error.__traceback__)[-1]
-        return {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]} "
-                         f"(in {frame.name}, line {frame.lineno})"}  # fmt: skip
+        return {"error": describe(error)}
 
 
 def check_shards(lesson, device, world_size):

@@ -19,7 +19,8 @@ levels, each a comment block of its own; the exercise leaves them out:
     # HINT 3: nearly the code
     # BEGIN SOLUTION
 
-The exercise keeps the TODO comment and replaces the code with
+The exercise's own commands (`torchrun ... solutions/NN_topic.py` in its docstring and messages) name
+exercises/NN_topic.py instead. The exercise keeps the TODO comment and replaces the code with
 `raise NotImplementedError("TODO 1: reduce-scatter phase of the ring")`, so an untouched exercise
 stops at once with a message that names the TODO. Where the exercise should instead run as the
 pre-lesson code, put that code, commented out, after a `# EXERCISE` line inside the region:
@@ -147,7 +148,9 @@ def make_exercise(solution_text: str, name: str, done=frozenset()) -> tuple[str,
     numbers = [t.number for t in todos]
     if numbers != list(range(1, len(numbers) + 1)):
         raise MarkerError(f"{name}: TODOs must be numbered 1, 2, 3, ... in order; found {numbers}")
-    return GENERATED_NOTE.format(lesson=name[:2], name=name) + "\n".join(out) + "\n", todos
+    # The commands the exercise's docstring and messages give run the exercise, the file the learner edits.
+    body = "\n".join(out).replace(f"solutions/{name}", f"exercises/{name}")
+    return GENERATED_NOTE.format(lesson=name[:2], name=name) + body + "\n", todos
 
 
 def expected_exercises(root: Path = ROOT, lesson: str = "[0-9][0-9]") -> dict[Path, str]:

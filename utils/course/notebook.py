@@ -15,14 +15,17 @@ what rank 0 prints and returning the script's metrics file as a dict.
 After a crashed kernel, stop leftover ranks from a terminal with `python -m utils.course.notebook stop-ranks`.
 """
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 
@@ -182,6 +185,7 @@ class Ranks:
             # The controller finishes an engine's registration at its next heartbeat (every 3 s by default): a
             # beat each second starts the ranks seconds sooner; a rank is declared dead after 10 missed beats.
             controller_args=["--HeartMonitor.period=1000"],
+            shutdown_atexit=False,  # too slow for a kernel restart: _kill_live_ranks instead
         )
         self.cluster.start_cluster_sync()
         self.client = self.cluster.connect_client_sync()
@@ -192,9 +196,11 @@ class Ranks:
         self.view = self.client[self.engine_ids]
         self.view.block = True
         self.processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        _LIVE.add(self)  # killed at once if the kernel exits before stop(): see _kill_live_ranks
         self.restart(timeout_s=timeout_s, debug=debug)
         shell = _interactive_shell()
         if shell is not None:  # %%px and %px now run on these ranks
+            _kill_ranks_on_sigterm()
             self.view.activate()
             # One block of output per cell, in rank order, and no progress widget (reproducible outputs).
             shell.run_line_magic("pxconfig", "--no-stream --progress-after -1")
@@ -265,8 +271,19 @@ class Ranks:
         """The process ids of the ranks, in rank order."""
         return [self.client[engine].apply_sync(os.getpid) for engine in self.engine_ids]
 
+    def kill(self):
+        """Kill the ranks, their controller and their nannies at once, and forget the cluster (`stop-ranks` then finds
+        nothing left of it): for a kernel that exits with its ranks up, which has no time for stop()."""
+        _LIVE.discard(self)
+        for process in self.processes:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        for leftover in (self.cluster.cluster_file, PROFILE_DIR / "log" / f"engines{self.cluster.cluster_id}.json"):
+            Path(leftover).unlink(missing_ok=True)
+
     def stop(self, timeout: float = 30):
         """Leave the process group on every rank, stop the engines and their controller; no process is left."""
+        _LIVE.discard(self)
         try:
             self.view.execute(_LEAVE_CLEANLY, block=False).get(timeout=timeout)
         except Exception:  # a broken or stuck group: the processes are stopped below all the same
@@ -288,6 +305,37 @@ class Ranks:
                     kill_tree(process.pid)
                 # The controller, stopped by a signal, leaves its list of engines behind: nothing reads it again.
                 (PROFILE_DIR / "log" / f"engines{self.cluster.cluster_id}.json").unlink(missing_ok=True)
+
+
+# The ranks not stopped yet. A kernel restart or shutdown gives the kernel 2.5 s to exit, then terminates it (SIGTERM,
+# which skips atexit) and kills it: too short for ipyparallel's own stop at exit on a busy machine, which left ranks
+# running. At exit, or on SIGTERM, the ranks are killed at once instead.
+_LIVE: set = set()
+
+
+def _kill_live_ranks():
+    for ranks in list(_LIVE):
+        ranks.kill()
+
+
+atexit.register(_kill_live_ranks)
+
+
+def _kill_ranks_on_sigterm():
+    """In a notebook's kernel: on SIGTERM, kill the live ranks, then end as SIGTERM would have ended it (only where
+    nothing handles SIGTERM already; a cell runs in the main thread, where handlers are set)."""
+    if (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return
+
+    def terminated(signum, frame):
+        _kill_live_ranks()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, terminated)
 
 
 def _visible_gpus() -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from utils.distributed_utils import CourseError
+from utils.distributed_utils import Refusal
 from utils.training import base_parser, non_negative_float, positive_int
 
 
@@ -47,8 +47,8 @@ def settle(args, world_size: int, device: torch.device):
         nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         args.replicas = nodes if nodes > 1 else (2 if world_size % 2 == 0 else 1)
     if args.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise CourseError("this GPU has no bf16: use --precision fp32")
+        raise Refusal("this GPU has no bf16: use --precision fp32")
     if args.strategy == "all" and (args.resume or args.save_dcp):
-        raise CourseError("--resume and --save-dcp take one strategy: pass --strategy fsdp (or ddp, hsdp)")
+        raise Refusal("--resume and --save-dcp take one strategy: pass --strategy fsdp (or ddp, hsdp)")
     if (args.resume or args.save_dcp) and args.strategy not in ("ddp", "fsdp", "hsdp"):
-        raise CourseError("--resume and --save-dcp work with the built-in strategies: ddp, fsdp or hsdp")
+        raise Refusal("--resume and --save-dcp work with the built-in strategies: ddp, fsdp or hsdp")

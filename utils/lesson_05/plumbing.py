@@ -13,14 +13,14 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from utils.distributed_utils import CourseError, print0
+from utils.distributed_utils import Refusal, print0
 from utils.lesson_05.timing import measured_bubble
 
 
 def check_stages(n_layers: int, n_stages: int):
     """Every stage needs at least one block."""
     if n_stages > n_layers:
-        raise CourseError(
+        raise Refusal(
             f"{n_stages} pipeline stages need at least {n_stages} blocks, but the model has --n-layers {n_layers}; "
             f"use --n-layers {n_stages} or more, or fewer processes"
         )
@@ -31,23 +31,23 @@ def refuse_layout(args, world_size: int, multi_stage: bool, virtual_stages: int,
     rank (built-in only); builtin_class: the torch.distributed.pipelining schedule asked for (None: from scratch)."""
     sweep = getattr(args, "bubble_sweep", None)
     if args.batch_size % args.microbatches and not sweep:
-        raise CourseError(
+        raise Refusal(
             f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal "
             f"micro-batches; use a --batch-size that is a multiple of {args.microbatches}"
         )
     if sweep and builtin_class:
-        raise CourseError("--bubble-sweep measures the from-scratch schedules; leave out --pp-impl builtin")
+        raise Refusal("--bubble-sweep measures the from-scratch schedules; leave out --pp-impl builtin")
     if multi_stage and not builtin_class:
-        raise CourseError(f"--schedule {args.schedule} is built-in only here; add --pp-impl builtin")
+        raise Refusal(f"--schedule {args.schedule} is built-in only here; add --pp-impl builtin")
     if multi_stage and args.n_layers < virtual_stages * world_size:
-        raise CourseError(
+        raise Refusal(
             f"--schedule {args.schedule} puts {virtual_stages} stages on each of {world_size} ranks: it needs "
             f"--n-layers {virtual_stages * world_size} or more (got {args.n_layers})"
         )
     check_builtin_available(builtin_class)
     check_stages(args.n_layers, world_size)
     if builtin_class == "Schedule1F1B" and args.microbatches < world_size:
-        raise CourseError(
+        raise Refusal(
             f"the built-in Schedule1F1B needs --microbatches >= {world_size} stages (got {args.microbatches}); "
             "the from-scratch one (--pp-impl scratch) runs any number"
         )
@@ -58,7 +58,7 @@ def check_builtin_available(class_name: str | None):
     from torch.distributed import pipelining
 
     if class_name is not None and not hasattr(pipelining, class_name):
-        raise CourseError(
+        raise Refusal(
             f"torch {torch.__version__} has no torch.distributed.pipelining.{class_name}; choose another --schedule "
             "or a newer torch"
         )

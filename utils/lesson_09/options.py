@@ -3,7 +3,7 @@ before any rank waits for another."""
 
 import torch
 
-from utils.distributed_utils import CourseError
+from utils.distributed_utils import Refusal
 
 IMPLS = ("ring", "ulysses", "builtin")
 CPU_REFUSAL = (
@@ -31,7 +31,7 @@ def check_context_split(seq_len: int, world_size: int, split: str):
     if seq_len % pieces:
         fix = seq_len + pieces - seq_len % pieces
         per_rank = "1 chunk" if split == "contiguous" else "2 chunks"
-        raise CourseError(
+        raise Refusal(
             f"--seq-len {seq_len} does not cut into {pieces} equal chunks (--cp-split {split}: {per_rank} per rank, "
             f"{world_size} ranks): use --seq-len {fix} (a multiple of {pieces}), or another number of ranks"
         )
@@ -40,7 +40,7 @@ def check_context_split(seq_len: int, world_size: int, split: str):
 def check_heads(n_heads: int, world_size: int):
     """Ulysses gives each rank H/N whole heads: refuse heads that do not split over the ranks."""
     if n_heads % world_size:
-        raise CourseError(
+        raise Refusal(
             f"--impl ulysses gives each rank whole heads: --n-heads {n_heads} does not split over {world_size} "
             f"ranks; use --n-heads a multiple of {world_size} (and a --dim it divides), or --impl ring"
         )
@@ -48,7 +48,7 @@ def check_heads(n_heads: int, world_size: int):
 
 def check_run(args, world_size: int, device: torch.device):
     if args.impl == "builtin" and device.type != "cuda":
-        raise CourseError(CPU_REFUSAL)
+        raise Refusal(CPU_REFUSAL)
     check_context_split(args.seq_len, world_size, args.cp_split)
     if args.impl == "ulysses":
         check_heads(args.n_heads, world_size)

@@ -2,7 +2,7 @@
 
 import argparse
 
-from utils.distributed_utils import CourseError
+from utils.distributed_utils import Refusal
 from utils.training import base_parser, non_negative_float, parse_args, positive_int
 
 DEFAULT_CAPACITY_FACTOR = 1.25  # GShard's and Switch's usual training value
@@ -49,12 +49,12 @@ def check_experts(args, world_size: int):
     if args.experts % world_size:
         divisors = [str(n) for n in range(1, args.experts + 1) if args.experts % n == 0]
         fits = " or ".join([", ".join(divisors[:-1]), divisors[-1]] if len(divisors) > 1 else divisors)
-        raise CourseError(
+        raise Refusal(
             f"--experts {args.experts} does not split evenly over {world_size} ranks: use a multiple of {world_size} "
             f"experts, or launch {fits} processes"
         )
     if args.top_k > args.experts:
-        raise CourseError(f"--top-k {args.top_k} is more than --experts {args.experts}: choose at most {args.experts}")
+        raise Refusal(f"--top-k {args.top_k} is more than --experts {args.experts}: choose at most {args.experts}")
 
 
 def script_options(argv: list) -> argparse.Namespace:

@@ -97,6 +97,53 @@ def slot_problem(choices, kept, slots, capacity: int) -> str | None:
     return None
 
 
+def queue_order(n_tokens: int, k: int, token_major: bool = False) -> list[tuple[int, int]]:
+    """The (token, i) choices in the order an expert's queue serves them: every token's first choice, then every
+    second, ... (token_major: a token's k choices, then the next token's: the mistake)."""
+    if token_major:
+        return [(t, i) for t in range(n_tokens) for i in range(k)]
+    return [(t, i) for i in range(k) for t in range(n_tokens)]
+
+
+def keep_first(choices: torch.Tensor, capacity: int, order) -> torch.Tensor:
+    """The kept mask when each expert keeps the first `capacity` choices it meets in `order`."""
+    kept, taken = torch.zeros(choices.shape, dtype=torch.bool), {}
+    for t, i in order:
+        expert = int(choices[t, i])
+        if taken.get(expert, 0) < capacity:
+            kept[t, i], taken[expert] = True, taken.get(expert, 0) + 1
+    return kept
+
+
+def kept_problem(choices, want, got, capacity: int) -> str | None:
+    """The first choice, in the queue's order (every token's first choice, then every second, ...), that `got` keeps
+    or drops otherwise than `want`, and the likely cause when a known mistake keeps exactly what `got` keeps."""
+    choices, want, got = torch.as_tensor(choices), torch.as_tensor(want).bool(), torch.as_tensor(got).bool()
+    if got.shape != want.shape:
+        return f"the kept mask has shape {list(got.shape)}, not the choices' {list(want.shape)} [T, k]"
+    n_tokens, k = choices.shape
+    mistakes = {
+        "a token's k choices are queued before the next token's: every token's first choice comes before any "
+        "second": keep_first(choices, capacity, queue_order(n_tokens, k, token_major=True)),
+        f"each expert keeps {capacity + 1}, one more than its capacity: a choice is kept when its slot < capacity, "
+        "slots counting from 0": keep_first(choices, capacity + 1, queue_order(n_tokens, k)),
+        f"each expert keeps {capacity - 1}, one fewer than its capacity: slots count from 0": keep_first(
+            choices, capacity - 1, queue_order(n_tokens, k)),
+    }  # fmt: skip
+    cause = next((why for why, wrong in mistakes.items() if torch.equal(got, wrong) and not torch.equal(got, want)),
+                 "is every token's first choice served before any second, tokens in order?")  # fmt: skip
+    queued = {}  # expert -> choices served before this one
+    for t, i in queue_order(n_tokens, k):
+        expert = int(choices[t, i])
+        before = queued.get(expert, 0)
+        queued[expert] = before + 1
+        if bool(got[t, i]) != bool(want[t, i]):
+            place = f"token {t}'s choice {i + 1} (expert {expert}, {before} of its choices before it)"
+            verdict = "is dropped; capacity {} keeps it" if want[t, i] else "is kept; capacity {} is full by then"
+            return f"{place} {verdict.format(capacity)} ({cause})"
+    return None
+
+
 def experts_pair_by_pair(experts, received: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """What a rank's experts give the rows it received, one small matmul pair per (source rank, expert), in the order
     the rows arrived (source 0's rows for expert 0, for expert 1, ..., then source 1's): the loop that one batched
