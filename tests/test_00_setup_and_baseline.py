@@ -36,6 +36,68 @@ def finished(run, todo: int):
     return run.metrics
 
 
+def reference_losses(steps: int, autocast: bool, mistake: str | None = None) -> list[float]:
+    """Lesson 00's training step written out here, on the script's data order (a DataLoader shuffled by a
+    generator seeded with --seed 0), model (seed 0) and SGD: what TODO 1 must reproduce. `mistake` writes out a
+    known wrong step instead: "accumulates" (the gradients are never cleared), "frozen" (the weights never move)."""
+    train = load_token_dataset("synthetic", TINY.seq_len, "train")
+    loader = torch.utils.data.DataLoader(
+        train, batch_size=8, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0)
+    )
+    model = build_model(TINY, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    losses = []
+    for _, (inputs, targets) in zip(range(steps), loader):
+        if mistake != "accumulates":
+            optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        if mistake != "frozen":
+            optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+# What the losses of a known wrong step look like, and the cause in the learner's terms.
+TODO1_MISTAKES = {
+    "accumulates": "the gradients accumulate from step to step: each backward adds to what the last one left in "
+    ".grad, which nothing cleared",
+    "frozen": "the weights never moved: these are the untrained model's losses on each batch (did the optimizer step "
+    "while the gradients were still there?)",
+}
+
+
+def training_step_problem(losses: list[float], precision: str) -> str | None:
+    """Where TODO 1's losses first differ from the reference step's, and the likely cause, or None."""
+    expected = reference_losses(len(losses), autocast=precision == "bf16")
+    if losses == pytest.approx(expected, abs=1e-5):
+        return None
+    step = next(i for i, (got, want) in enumerate(zip(losses, expected)) if got != pytest.approx(want, abs=1e-5))
+    first = f"step {step + 1}'s loss is {losses[step]:.5f}, want {expected[step]:.5f}"
+    if precision == "bf16" and losses == pytest.approx(reference_losses(len(losses), autocast=False), abs=1e-5):
+        return f"{first}: these are the fp32 losses: the forward pass and the loss did not run under autocast"
+    for mistake, cause in TODO1_MISTAKES.items():
+        if losses == pytest.approx(reference_losses(len(losses), precision == "bf16", mistake), abs=1e-5):
+            return f"{first}: {cause}"
+    if step == 0:
+        return f"{first}: the first step's loss is loss_fn of the model's logits for this batch" + (
+            ", under autocast" if precision == "bf16" else ""
+        )
+    return f"{first}: the first step matches, a later one does not (what do the gradients hold when it steps?)"
+
+
+@pytest.mark.parametrize("precision", ["off", "bf16"])
+def test_todo1_training_step_matches_the_reference_step(lesson, tmp_path, precision):
+    """Three SGD steps, fp32 and with --autocast bf16, against the step written out in this test. First among
+    TODO 1's tests: its line says which step differs, and why when a known mistake gives these losses."""
+    args = ["--steps", 3, "--optimizer", "sgd", "--autocast", precision, "--log-dir", tmp_path / "runs"]
+    losses = finished(python(lesson("00"), args, tmp_path=tmp_path), 1)["losses"]
+    assert len(losses) == 3, f"TODO 1: {len(losses)} losses recorded in 3 steps: append one per step"
+    problem = training_step_problem(losses, precision)
+    assert problem is None, f"TODO 1: {problem}"
+
+
 def test_todo1_training_step_lowers_the_loss(baseline):
     metrics = finished(baseline[0], 1)
     losses = metrics["losses"]
@@ -50,44 +112,6 @@ def test_todo1_training_step_lowers_the_loss(baseline):
     )
 
 
-def reference_losses(steps: int, autocast: bool) -> list[float]:
-    """Lesson 00's training step written out here, on the script's data order (a DataLoader shuffled by a
-    generator seeded with --seed 0), model (seed 0) and SGD: what TODO 1 must reproduce."""
-    train = load_token_dataset("synthetic", TINY.seq_len, "train")
-    loader = torch.utils.data.DataLoader(
-        train, batch_size=8, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0)
-    )
-    model = build_model(TINY, seed=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
-    losses = []
-    for _, (inputs, targets) in zip(range(steps), loader):
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = loss_fn(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
-@pytest.mark.parametrize("precision", ["off", "bf16"])
-def test_todo1_training_step_matches_the_reference_step(lesson, tmp_path, precision):
-    """Three SGD steps, fp32 and with --autocast bf16, against the step written out in this test."""
-    args = ["--steps", 3, "--optimizer", "sgd", "--autocast", precision, "--log-dir", tmp_path / "runs"]
-    losses = finished(python(lesson("00"), args, tmp_path=tmp_path), 1)["losses"]
-    expected = reference_losses(3, autocast=precision == "bf16")
-    assert len(losses) == 3, f"TODO 1: {len(losses)} losses recorded in 3 steps: append one per step"
-    assert losses[0] == pytest.approx(expected[0], abs=1e-5), (
-        f"TODO 1: the first loss is {losses[0]:.5f}, not {expected[0]:.5f}: "
-        + ("the reference computes the forward pass and the loss under autocast" if precision == "bf16" else
-           "the reference's loss is loss_fn of the model's logits for this batch")
-    )  # fmt: skip
-    assert losses == pytest.approx(expected, abs=1e-5), (
-        f"TODO 1: losses {[round(x, 5) for x in losses]}, not {[round(x, 5) for x in expected]}: the first step "
-        "matches, the later ones do not (what do the gradients hold when the optimizer steps?)"
-    )
-
-
 def test_todo2_tokens_per_step_are_batch_times_sequence_length(lesson, tmp_path):
     """What the training loop feeds the throughput meter (tests/workers/throughput_probe.py records it)."""
     out = tmp_path / "tokens.json"
@@ -96,10 +120,23 @@ def test_todo2_tokens_per_step_are_batch_times_sequence_length(lesson, tmp_path)
     finished(run, 2)
     counted = json.loads(out.read_text())["tokens"]
     assert len(counted) == 3, f"TODO 2: the meter was fed {len(counted)} times in 3 steps: once per step"
-    assert counted == [4 * 32] * 3, (
-        f"TODO 2: the meter got {counted} tokens per step, not 4 x 32 = 128: a batch of B sequences of T tokens "
-        "trains B x T next-token predictions"
-    )
+    assert counted == [4 * 32] * 3, f"TODO 2: {tokens_problem(counted, batch=4, seq_len=32)}"
+
+
+def tokens_problem(counted: list[int], batch: int, seq_len: int) -> str:
+    """The first step that fed the meter a wrong count, and what that count is when a known mistake gives it."""
+    step = next(i for i, tokens in enumerate(counted) if tokens != batch * seq_len)
+    got = counted[step]
+    causes = {
+        batch: f"{batch} is the batch's number of sequences: each of a sequence's {seq_len} positions is a "
+        "prediction too",
+        seq_len: f"{seq_len} is one sequence's length: the batch holds {batch} sequences",
+        batch * (seq_len + 1): f"{batch} x {seq_len + 1} counts each block's T + 1 tokens, but the inputs hold T = "
+        f"{seq_len} (a block's last token is only a target)",
+        batch * seq_len * (step + 1): "that is the running total: the meter adds up each step's count itself",
+    }
+    cause = causes.get(got, f"a batch of {batch} sequences of {seq_len} tokens trains {batch} x {seq_len} predictions")
+    return f"step {step + 1} fed the meter {got} tokens, want {batch} x {seq_len} = {batch * seq_len}: {cause}"
 
 
 def test_todo3_loss_logged_to_tensorboard(baseline):
@@ -113,13 +150,24 @@ def test_todo3_loss_logged_to_tensorboard(baseline):
     assert "loss" in scalars, f"TODO 3: tensorboard has no scalar named `loss`, only {scalars}"
     logged = events.Scalars("loss")
     steps = [e.step for e in logged]
-    assert steps == list(range(1, STEPS + 1)), f"TODO 3: `loss` logged at steps {steps[:5]}..., not 1, 2, ..., {STEPS}"
-    values = [e.value for e in logged]
-    assert values == pytest.approx(metrics["losses"], rel=1e-6), (
-        f"TODO 3: `loss` logged as {[round(v, 3) for v in values[:4]]}..., but the steps' losses were "
-        f"{[round(v, 3) for v in metrics['losses'][:4]]}..."
+    from_zero = " (counted from 0: the loop's `step` is already 1 at the first step)" * (steps[:1] == [0])
+    assert steps == list(range(1, STEPS + 1)), (
+        f"TODO 3: `loss` logged at steps {steps[:5]}..., want 1, 2, ..., {STEPS}{from_zero}"
     )
+    values = [e.value for e in logged]
+    assert values == pytest.approx(metrics["losses"], rel=1e-6), f"TODO 3: {logged_loss_problem(values, metrics)}"
     assert "tokens_per_s" in scalars, f"TODO 3: tensorboard has no scalar named `tokens_per_s`, only {scalars}"
+
+
+def logged_loss_problem(values: list[float], metrics: dict) -> str:
+    """The first step whose logged `loss` is not that step's loss, and whose loss it is when it is another step's."""
+    losses = metrics["losses"]
+    step = next(i for i, (v, loss) in enumerate(zip(values, losses)) if v != pytest.approx(loss, rel=1e-6))
+    first = f"step {step + 1}'s `loss` is logged as {values[step]:.4f}, but that step's loss was {losses[step]:.4f}"
+    if values == pytest.approx([losses[0]] * len(values), rel=1e-6):
+        return f"{first}: every step logs the first step's loss"
+    other = next((i for i, loss in enumerate(losses) if values[step] == pytest.approx(loss, rel=1e-6)), None)
+    return first + (f": it is step {other + 1}'s loss" if other is not None else "")
 
 
 def test_metrics_file_is_complete(baseline):

@@ -19,24 +19,28 @@ MUTANTS = [
         what="never clears the gradients: each step adds to the last one's",
         find="        optimizer.zero_grad(set_to_none=True)\n        with autocast",
         replace="        with autocast",
+        shows=("accumulate",),
     ),
     Mutant(
         todo=1,
         what="clears the gradients between backward and the optimizer step: nothing is learned",
         find="        loss.backward()\n        optimizer.step()",
         replace="        loss.backward()\n        optimizer.zero_grad(set_to_none=True)\n        optimizer.step()",
+        shows=("never moved",),
     ),
     Mutant(
         todo=1,
         what="forgets autocast: --autocast bf16 trains in fp32",
         find="with autocast(args, device):  # a no-op unless --autocast bf16",
         replace="if True:  # a no-op unless --autocast bf16",
+        shows=("fp32", "autocast"),
     ),
     Mutant(
         todo=1,
         what="never steps the optimizer: the gradients are computed and cleared, the weights never move",
         find="        loss.backward()\n        optimizer.step()\n        losses.append",
         replace="        loss.backward()\n        losses.append",
+        shows=("never moved",),
     ),
     # TODO 2: tokens per step
     Mutant(
@@ -44,18 +48,21 @@ MUTANTS = [
         what="counts sequences, not tokens",
         find="throughput.step(inputs.numel())",
         replace="throughput.step(inputs.shape[0])",
+        shows=("number of sequences",),
     ),
     Mutant(
         todo=2,
         what="counts the sequence length once, not per sequence",
         find="throughput.step(inputs.numel())",
         replace="throughput.step(inputs.shape[1])",
+        shows=("one sequence's length",),
     ),
     Mutant(
         todo=2,
         what="counts a block's seq_len + 1 tokens per sequence instead of its seq_len predictions",
         find="throughput.step(inputs.numel())",
         replace="throughput.step(inputs.shape[0] * (inputs.shape[1] + 1))",
+        shows=("T + 1",),
     ),
     # TODO 3: logging
     Mutant(
@@ -63,18 +70,21 @@ MUTANTS = [
         what="logs the first loss at every step",
         find="logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)",
         replace="logger.log(step, loss=losses[0], tokens_per_s=throughput.tokens_per_s)",
+        shows=("first step's loss",),
     ),
     Mutant(
         todo=3,
         what="logs the loss without the throughput",
         find="logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)",
         replace="logger.log(step, loss=losses[-1])",
+        shows=("no scalar", "tokens_per_s"),
     ),
     Mutant(
         todo=3,
         what="logs with the step counted from 0",
         find="logger.log(step, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)",
         replace="logger.log(step - 1, loss=losses[-1], tokens_per_s=throughput.tokens_per_s)",
+        shows=("counted from 0",),
     ),
 ]
 

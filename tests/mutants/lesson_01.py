@@ -18,24 +18,28 @@ MUTANTS = [
         what="adds the incoming chunk into the chunk it just sent (receive index = send index)",
         find="send_index, receive_index = (rank - step) % world_size, (rank - step - 1) % world_size",
         replace="send_index, receive_index = (rank - step) % world_size, (rank - step) % world_size",
+        shows=("into the chunk this rank just sent",),
     ),
     Mutant(
         todo=1,
         what="overwrites its chunk with the incoming one instead of adding",
         find="chunks[receive_index] += incoming",
         replace="chunks[receive_index].copy_(incoming)",
+        shows=("replaced this rank's own values",),
     ),
     Mutant(
         todo=1,
         what="rebinds the list entry (chunks[i] = chunks[i] + incoming): the sum never reaches the tensor's view",
         find="chunks[receive_index] += incoming",
         replace="chunks[receive_index] = chunks[receive_index] + incoming",
+        shows=("own values", "never reached"),
     ),
     Mutant(
         todo=1,
         what="sizes the receive like the chunk it sends: unequal tensor_split chunks no longer match",
         find="incoming = buffer[: chunks[receive_index].numel()]",
         replace="incoming = torch.empty_like(chunks[send_index])",
+        shows=("sized like the chunk it sends",),
     ),
     # TODO 2: the ring's all-gather phase
     Mutant(
@@ -43,12 +47,14 @@ MUTANTS = [
         what="sends chunk (rank - s) instead of its finished chunk (rank + 1 - s)",
         find="send_index, receive_index = (rank + 1 - step) % world_size, (rank - step) % world_size",
         replace="send_index, receive_index = (rank - step) % world_size, (rank - 1 - step) % world_size",
+        shows=("did not hold yet",),
     ),
     Mutant(
         todo=2,
         what="one step too few (n - 2): one chunk never arrives",
         find="    for step in range(world_size - 1):\n        send_index, receive_index = (rank + 1 - step)",
         replace="    for step in range(world_size - 2):\n        send_index, receive_index = (rank + 1 - step)",
+        shows=("stopped a step early",),
     ),
     # TODO 3: all-reduce = reduce-scatter + all-gather
     Mutant(
@@ -56,18 +62,21 @@ MUTANTS = [
         what="rounds the padded length down: a tensor not divisible by n loses its tail",
         find="padded = torch.zeros(-(-flat.numel() // world_size) * world_size,",
         replace="padded = torch.zeros(max(flat.numel() // world_size, 1) * world_size,",
+        shows=("raised", "must match the existing size"),
     ),
     Mutant(
         todo=3,
         what="averages instead of summing",
         find="dist.reduce_scatter_single(shard, padded, op=dist.ReduceOp.SUM)",
         replace="dist.reduce_scatter_single(shard, padded, op=dist.ReduceOp.AVG)",
+        shows=("the mean over the ranks",),
     ),
     Mutant(
         todo=3,
         what="returns the sum in a new tensor instead of writing it into `tensor`",
         find="    flat.copy_(padded[: flat.numel()])",
         replace="    return padded[: flat.numel()].view_as(tensor).clone()",
+        shows=("own values", "written into it"),
     ),
     # TODO 4: lab, a collective some ranks skip
     Mutant(
@@ -78,12 +87,14 @@ MUTANTS = [
             "    if tokens.numel() == 0:\n        return 0\n"
             "    count = (tokens >= 0).sum().to(torch.float64)  # an empty"
         ),
+        shows=("never joined", "without calling the collective"),
     ),
     Mutant(
         todo=4,
         what="counts the padding as tokens",
         find="count = (tokens >= 0).sum().to(torch.float64)  # an",
         replace="count = torch.tensor(float(tokens.numel()))  # an",
+        shows=("padding",),
     ),
     # TODO 5: lab, a rank that raises
     Mutant(
@@ -91,12 +102,14 @@ MUTANTS = [
         what="max() of an empty slice raises on the last rank (the lab's bug)",
         find="local = mine.max() if mine.numel() else",
         replace="local = mine.max() if True else",
+        shows=("raised", "slice of the values is empty"),
     ),
     Mutant(
         todo=5,
         what="an empty slice contributes 0, which wins when every value is negative",
         find='torch.tensor(float("-inf"), dtype=values.dtype, device=values.device)',
         replace="torch.tensor(0.0, dtype=values.dtype, device=values.device)",
+        shows=("0 is what an empty slice brought",),
     ),
     # TODO 6: lab, shapes that differ between ranks
     Mutant(
@@ -104,18 +117,21 @@ MUTANTS = [
         what="pads to its own length instead of the longest (the shapes still differ)",
         find="longest = int(lengths.max())",
         replace="longest = values.numel()",
+        shows=("mismatch", "its own length"),
     ),
     Mutant(
         todo=6,
         what="returns the padded gather (the padding zeros stay in)",
         find="return torch.cat([row[:n] for row, n in zip(gathered.view(world_size, longest), lengths.tolist())])",
         replace="return gathered",
+        shows=("padding is still in",),
     ),
     Mutant(
         todo=6,
         what="trims every rank's row to its own length instead of that rank's",
         find="return torch.cat([row[:n] for row, n in zip(gathered.view(world_size, longest), lengths.tolist())])",
         replace="return torch.cat([row[: values.numel()] for row in gathered.view(world_size, longest)])",
+        shows=("cut every row to its own length",),
     ),
     # TODO 7: lab, send/recv in the wrong order
     Mutant(
@@ -123,12 +139,14 @@ MUTANTS = [
         what="both partners send first (the lab's bug): each send waits for a receive",
         find="    if rank % 2 == 0:\n        dist.send(tensor, dst=partner)",
         replace="    if True:\n        dist.send(tensor, dst=partner)",
+        shows=("both partners",),
     ),
     Mutant(
         todo=7,
         what="both partners receive first",
         find="    if rank % 2 == 0:\n        dist.send(tensor, dst=partner)",
         replace="    if False:\n        dist.send(tensor, dst=partner)",
+        shows=("both partners",),
     ),
     # TODO 8: lab, a rank-dependent branch around a collective
     Mutant(
@@ -139,12 +157,14 @@ MUTANTS = [
             "        if local_loss < target:\n            return step + 1\n"
             "        loss = torch.tensor(local_loss, dtype=torch.float64)\n"
         ),
+        shows=("without calling the collective", "own loss"),
     ),
     Mutant(
         todo=8,
         what="sums the losses instead of averaging: every rank agrees, on the wrong step",
         find="dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # every rank now holds the same number...",
         replace="dist.all_reduce(loss)  # every rank now holds the same number...",
+        shows=("sum of the ranks' losses",),
     ),
 ]
 

@@ -21,12 +21,14 @@ MUTANTS = [
         what="broadcasts the parameters but not the buffers",
         find="for tensor in [*module.parameters(), *module.buffers()]:",
         replace="for tensor in [*module.parameters()]:",
+        shows=("buffers differ",),
     ),
     Mutant(
         todo=1,
         what="broadcasts from the last rank instead of rank 0",
         find="dist.broadcast(tensor, src=0)",
         replace="dist.broadcast(tensor, src=dist.get_world_size() - 1)",
+        shows=("holds rank 1's weights",),
     ),
     # TODO 2: fill buckets, launch the full ones in order
     Mutant(
@@ -35,12 +37,14 @@ MUTANTS = [
         find="        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].full():\n"
         "            self._launch(self.buckets[self._next_to_launch])",
         replace="        pass  # launch everything at the end of backward",
+        shows=("no hook launched",),
     ),
     Mutant(
         todo=2,
         what="launches at most one bucket per hook (if instead of while)",
         find="        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].full():",
         replace="        if self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].full():",
+        shows=("launched only",),
     ),
     Mutant(
         todo=2,
@@ -48,6 +52,7 @@ MUTANTS = [
         find="        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].full():\n"
         "            self._launch(self.buckets[self._next_to_launch])\n",
         replace="        if self._bucket_of[id(p)].full():\n            self._launch(self._bucket_of[id(p)])\n",
+        shows=("before bucket 0",),
     ),
     # TODO 3: the asynchronous all-reduce
     Mutant(
@@ -55,18 +60,21 @@ MUTANTS = [
         what="sums instead of averaging",
         find="bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, async_op=True)",
         replace="bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, async_op=True)",
+        shows=("the sum over the 2 ranks",),
     ),
     Mutant(
         todo=3,
         what="counts the bytes twice",
         find="        self.allreduce_bytes += bucket.nbytes\n",
         replace="        self.allreduce_bytes += 2 * bucket.nbytes\n",
+        shows=("counted 2 times",),
     ),
     Mutant(
         todo=3,
         what="forgets async_op=True: the all-reduce blocks (no overlap) and bucket.work holds None",
         find="bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, async_op=True)",
         replace="bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG)",
+        shows=("NoneType",),
     ),
     # TODO 4: wait and unpack
     Mutant(
@@ -74,18 +82,21 @@ MUTANTS = [
         what="unpacks without waiting for the all-reduce",
         find="            bucket.work.wait()\n            bucket.unpack()",
         replace="            bucket.unpack()",
+        shows=("no handle was waited for",),
     ),
     Mutant(
         todo=4,
         what="never unpacks: .grad keeps the local gradient",
         find="            bucket.work.wait()\n            bucket.unpack()",
         replace="            bucket.work.wait()",
+        shows=("own gradient",),
     ),
     Mutant(
         todo=4,
         what="never forgets which parameters were put: the next backward finds every bucket full at once",
         find="            bucket.ready.clear()\n            bucket.work = None\n",
         replace="            bucket.work = None\n",
+        shows=("ready params",),
     ),
     # TODO 5: the global batch recipe
     Mutant(
@@ -93,12 +104,14 @@ MUTANTS = [
         what="forgets the ranks in the global batch",
         find="global_batch_size = args.batch_size * args.grad_accum * world_size",
         replace="global_batch_size = args.batch_size * args.grad_accum",
+        shows=("ranks are missing",),
     ),
     Mutant(
         todo=5,
         what="prints the recipe on every rank",
         find='    print0(\n        f"global batch {global_batch_size} sequences',
         replace='    print(\n        f"global batch {global_batch_size} sequences',
+        shows=("every rank printed it",),
     ),
     # TODO 6: DistributedSampler
     Mutant(
@@ -106,12 +119,14 @@ MUTANTS = [
         what="every rank reads the whole data set (no num_replicas/rank)",
         find="train, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True",
         replace="train, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True",
+        shows=("every rank reads all",),
     ),
     Mutant(
         todo=6,
         what="each rank shuffles with its own seed: the slices overlap",
         find="train, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True",
         replace="train, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed + rank, drop_last=True",
+        shows=("overlap",),
     ),
     # TODO 7: wrap the model
     Mutant(
@@ -119,18 +134,21 @@ MUTANTS = [
         what="--ddp scratch gets the built-in DDP too",
         find="        model = DataParallel(model, bucket_cap_mb=args.bucket_cap_mb)",
         replace="        model = apply_ddp(model, device, bucket_cap_mb=args.bucket_cap_mb)",
+        shows=("--ddp scratch wrapped the model in DistributedDataParallel",),
     ),
     Mutant(
         todo=7,
         what="the two paths swapped: --ddp builtin gets the hand-written wrapper",
         find='    if args.ddp == "builtin":\n        model = apply_ddp(',
         replace='    if args.ddp == "scratch":\n        model = apply_ddp(',
+        shows=("--ddp builtin wrapped the model in DataParallel",),
     ),
     Mutant(
         todo=7,
         what="--ddp scratch ignores --bucket-cap-mb: DataParallel gets its default 25 MB, one bucket",
         find="        model = DataParallel(model, bucket_cap_mb=args.bucket_cap_mb)\n    # EXERCISE",
         replace="        model = DataParallel(model)\n    # EXERCISE",
+        shows=("never reached the wrapper",),
     ),
     # TODO 8: set_epoch
     Mutant(
@@ -138,12 +156,14 @@ MUTANTS = [
         what="sets sampler.shuffle instead of calling set_epoch: every epoch repeats the first order",
         find="            sampler.set_epoch(epoch)\n            # EXERCISE",
         replace="            sampler.shuffle = True  # reshuffle\n            # EXERCISE",
+        shows=("are epoch 1's",),
     ),
     Mutant(
         todo=8,
         what="sets the same epoch every time",
         find="            sampler.set_epoch(epoch)\n            # EXERCISE",
         replace="            sampler.set_epoch(0)\n            # EXERCISE",
+        shows=("are epoch 1's",),
     ),
     # TODO 9: no_sync accumulation
     Mutant(
@@ -151,12 +171,14 @@ MUTANTS = [
         what="off by one (micro_step < grad_accum): never inside no_sync, one all-reduce per micro-batch",
         find="sync = nullcontext() if last else model.no_sync()",
         replace="sync = nullcontext() if micro_step < args.grad_accum else model.no_sync()",
+        shows=("every one of the 2 micro-steps",),
     ),
     Mutant(
         todo=9,
         what="no_sync on the last micro-step instead of the others: the gradients are never averaged",
         find="sync = nullcontext() if last else model.no_sync()",
         replace="sync = model.no_sync() if last else nullcontext()",
+        shows=("differ from one process",),
     ),
     # TODO 10: the logged loss
     Mutant(
@@ -164,12 +186,14 @@ MUTANTS = [
         what="broadcasts rank 0's loss instead of averaging: logs rank 0's slice only",
         find="        dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)\n        # EXERCISE",
         replace="        dist.broadcast(step_loss, src=0)\n        # EXERCISE",
+        shows=("first logged loss",),
     ),
     Mutant(
         todo=10,
         what="sums the ranks' losses instead of averaging",
         find="        dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)\n        # EXERCISE",
         replace="        dist.all_reduce(step_loss)\n        # EXERCISE",
+        shows=("summed, not averaged",),
     ),
     # TODO 11: save the unwrapped model
     Mutant(
@@ -178,12 +202,14 @@ MUTANTS = [
         find='state = {"model": model.module.state_dict(),',
         replace='state = {"model": (model.module if isinstance(model, DistributedDataParallel) else model)'
         ".state_dict(),",
+        shows=("start with `module.`",),
     ),
     Mutant(
         todo=11,
         what="saves the weights without the optimizer",
         find='"optimizer": optimizer.state_dict(), "config": vars(config)}\n        # EXERCISE',
         replace='"config": vars(config)}\n        # EXERCISE',
+        shows=("optimizer state is None",),
     ),
     # TODO 12: lab, uneven batches
     Mutant(
@@ -191,12 +217,14 @@ MUTANTS = [
         what="each rank runs all its batches (the lab's bug): one rank waits in DDP's all-reduce",
         find="    batches = batches[: int(fewest)]",
         replace="    batches = batches[:]",
+        shows=("ran a batch more",),
     ),
     Mutant(
         todo=12,
         what="agrees on the most batches instead of the fewest",
         find="dist.all_reduce(fewest, op=dist.ReduceOp.MIN)",
         replace="dist.all_reduce(fewest, op=dist.ReduceOp.MAX)",
+        shows=("ran a batch more",),
     ),
 ]
 

@@ -113,7 +113,7 @@ MUTANTS = [
     Mutant(todo=3, what="expert e placed on rank e % N instead of e // (E / N) when summing the splits",
            find="    send_splits = counts.view(world_size, -1).sum(1).tolist()\n",
            replace="    send_splits = counts.view(-1, world_size).sum(0).tolist()\n",
-           shows=("send splits",)),
+           shows=("expects", "rows from rank")),
     # TODO 4: the combine
     Mutant(todo=4, what="the reverse all-to-all with the dispatch's splits, not swapped",
            find="back = exchange(results, plan.send_splits, plan.recv_splits, group)",

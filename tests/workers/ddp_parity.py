@@ -248,6 +248,13 @@ def main():
             max(float((a - b).abs().max()) for a, b in zip(model.module.buffers(), reference.buffers()))
         )
 
+        def built_by(r):  # does this rank hold the weights rank r built (from seed r)?
+            return all(torch.equal(a, b) for a, b in zip(model.parameters(), make_model("buffered", r).parameters()))
+
+        holds = [None] * world_size  # whose weights each rank holds after wrapping (None: nobody's)
+        dist.all_gather_object(holds, next((r for r in range(world_size) if built_by(r)), None))
+        results["weights_of"] = holds
+
     attempt(results, "broadcast", broadcast)
 
     # TODO 2 alone: the hooks, with TODOs 3 and 4 done by this file's reference code. On the plain MLP each hook
@@ -301,6 +308,11 @@ def main():
             "order": model.launch_order,
             "next_to_launch": model._next_to_launch,
             "flat_vs_average": grad_error(model.module, averages),
+            # .grad as a multiple of the average over ranks (a sum gives the world size)
+            "times_average": float(
+                sum((p.grad * a).sum() for p, a in zip(model.module.parameters(), averages))
+                / sum((a * a).sum() for a in averages)
+            ),
         }
 
     attempt(results, "launch", launch)
@@ -309,15 +321,25 @@ def main():
     def unpack():
         model = DataParallel(make_model("mlp", seed=0), bucket_cap_mb=SMALL_BUCKETS_MB)
         averages = local_gradients(model.module, rank)
+        own = [p.grad.clone() for p in model.module.parameters()]
         for bucket in model.buckets:
             for p in bucket.params:
                 bucket.put(p)
             bucket.work = DeferredAllReduce(bucket.flat)
+        handles = [bucket.work for bucket in model.buckets]
         model._syncing, model._next_to_launch = True, len(model.buckets)  # as after TODO 2's hooks
         model.finish_gradient_synchronization()
+        not_reset = [
+            f"bucket {b.index} still holds " + ("its handle" if b.work is not None else f"{len(b.ready)} ready params")
+            for b in model.buckets
+            if b.work is not None or b.ready
+        ]
         results["unpack"] = {
             "grad_vs_average": grad_error(model.module, averages),
-            "buckets_reset": all(b.work is None and not b.ready for b in model.buckets),
+            "buckets_reset": not not_reset,
+            "not_reset": not_reset[:1],
+            "waited": all(handle.waits > 0 for handle in handles),  # was every handle waited for?
+            "grad_is_own": all(torch.equal(p.grad, g) for p, g in zip(model.module.parameters(), own)),
         }
 
     attempt(results, "unpack", unpack)
