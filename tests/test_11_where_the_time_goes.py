@@ -90,6 +90,9 @@ EVENTS = [  # (event, its kind): what real CPU and GPU traces hold
     ({"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "tid": MAIN}, None),
     ({"ph": "M", "name": "thread_name", "tid": GLOO}, None),
     ({"ph": "f", "cat": "fwdbwd", "name": "fwdbwd", "tid": MAIN}, None),
+    # not a complete event, though its category and name are those of work: an instant has no duration to count
+    ({"ph": "i", "cat": "cpu_op", "name": "c10d::allreduce_", "tid": MAIN}, None),
+    ({"ph": "B", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "tid": 7}, None),
 ]  # fmt: skip
 
 

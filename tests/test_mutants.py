@@ -21,3 +21,16 @@ def test_every_todo_has_two_mutants_that_apply(lesson):
         f"lesson {lesson}: TODOs with fewer than two mutants in tests/mutants/lesson_{lesson}.py: {missing}; "
         "add the mistakes a learner makes there (see tests/mutants/__init__.py)"
     )
+
+
+# Lessons whose every mistake names the words its failing line must show (make mutants checks the words): the others'
+# lines are still to be read one by one, mistake by mistake (issue 40).
+DIAGNOSED = ("00", "01", "02", "10", "11")
+
+
+@pytest.mark.parametrize("lesson", DIAGNOSED)
+def test_every_mistake_names_the_words_its_failing_line_must_show(lesson):
+    unnamed = [m.what for m in mutants_of(lesson) if not m.shows]
+    assert not unnamed, f"lesson {lesson}: mutants without `shows` (the words their failing line must show): {unnamed}"
+    with_words = [v.what for v in mutants_of(lesson, "VARIANTS") if v.shows]
+    assert not with_words, f"lesson {lesson}: correct variants pass, so they have no failing line: {with_words}"
