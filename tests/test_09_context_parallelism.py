@@ -652,7 +652,9 @@ def check_parity(run, baseline, name, todo):
     assert metrics["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE), (
         f"TODO {todo}: {name}'s losses {metrics['losses']}, lesson 00's {reference['losses']}"
     )
-    assert metrics["param_checksum"] == pytest.approx(reference["param_checksum"], rel=1e-9), (
+    # A sum of squares of about 100 k weights, each within TOLERANCE (above): its rounding alone reaches about 1e-9 of
+    # the sum (seen at 1.1e-9 on an AVX2 CPU, whose kernels round otherwise than AVX-512's), as lesson 10 allows.
+    assert metrics["param_checksum"] == pytest.approx(reference["param_checksum"], rel=1e-8), (
         f"TODO {todo}: {name}'s parameter checksum {metrics['param_checksum']!r}, lesson 00's "
         f"{reference['param_checksum']!r}"
     )

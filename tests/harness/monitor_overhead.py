@@ -78,7 +78,8 @@ def main() -> int:
         "pairs": pairs,
         "watch_interval_s": options.watch,
         "loaded": loaded_and_warned(load_before[0], load_after[0], ours=1, path=options.out),
-        "load_before": load_before,
+        "load_average_1min": {"before": load_before[0], "after": load_after[0]},
+        "load_before": load_before,  # 1, 5 and 15 minutes
         "load_after": load_after,
         "machine": {
             "cpu": platform.processor() or platform.machine(),
