@@ -284,6 +284,9 @@ def main():
     )
     print0("rank (pp, dp, tp): " + ", ".join(f"{r} {tuple(c.values())}" for r, c in enumerate(everyone)))
 
+    # The data first: a sequence longer than the data is refused before the model (its positions too) is built.
+    train_set = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
+    check_batches(len(train_set), args, 1, per_step=layout.dp, what="global batch")
     shapes = {name: p.shape for name, p in build_model(model_config(args), seed=args.seed).named_parameters()}
     if args.impl == "scratch":
         grid = build_grid(rank, layout)
@@ -304,8 +307,6 @@ def main():
         )
     optimizer = build_optimizer(parameter_groups(stage), args)
 
-    train_set = load_token_dataset(args.dataset, args.seq_len, "train", cache_dir=args.data_dir)
-    check_batches(len(train_set), args, 1, per_step=layout.dp, what="global batch")
     generator = torch.Generator().manual_seed(args.seed)  # lesson 00's order of batches, dp x --batch-size each
     loader = torch.utils.data.DataLoader(
         train_set, batch_size=layout.dp * args.batch_size, shuffle=True, drop_last=True, generator=generator

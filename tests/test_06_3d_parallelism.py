@@ -555,7 +555,7 @@ def planner_model() -> planner.Model:
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_model_state_bytes_are_the_planners(run, needs, name):
-    """The bytes of parameters, gradients and optimizer state each rank holds equal utils/planner.py's count for that
+    """The bytes of parameters, gradients and optimizer state each rank holds equal utils/planner/'s count for that
     rank's own slice of the model, to the byte: planner.rank_model_state (its stage's blocks, the embeddings on the
     first stage, the final norm and the head on the last, q/k/v/up split by rows and o/down by columns over tp), then
     utils/memory.py's rule over dp: ZeRO-0 from scratch (each replica holds its slice whole), ZeRO-3 built in (FSDP2
@@ -577,7 +577,7 @@ def test_model_state_bytes_are_the_planners(run, needs, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_activation_bytes_are_the_planners(run, needs, name):
     """What each rank saved for backward in one micro-batch's forward (saved_tensors_hooks, each byte of memory
-    once: utils.memory.ActivationFootprint) equals utils/planner.py's prediction for its stage, to the byte.
+    once: utils.memory.ActivationFootprint) equals utils/planner/'s prediction for its stage, to the byte.
 
     The prediction is Korthikanti et al.'s Table 2 per layer and section 4.3 per stage, restated for this model:
     fp32 values (4 bytes), no dropout, the head not split over tp, no recomputation and a fused attention kernel

@@ -7,6 +7,7 @@ SIGKILL mid-run, and reports read from what they recorded. The GPU fields (NVML)
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,8 +75,10 @@ def test_report_of_a_recorded_run_gives_its_lines_and_figure(watched):
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     assert lines[0].startswith("job report: 2 ranks on 1 node, ") and "02_data_parallel.py" in lines[0]
-    busy = min(2, CORES)  # both ranks want a core all the time they train
-    assert f"{CORES} cores allocated, {busy} busy" in lines[1] if CORES > 1 else "1 core allocated" in lines[1]
+    # Both ranks want a core while they compute; a rank waiting for the other in a collective sleeps, so on a loaded
+    # machine (the suite's other stream) one of them can fall under the threshold: at least one core is busy.
+    counted = re.search(r"(\d+) cores? allocated, (\d+) busy", lines[1])
+    assert counted and int(counted.group(1)) == CORES and 1 <= int(counted.group(2)) <= min(2, CORES), "\n".join(lines)
     assert sum(line.startswith("  rank ") for line in lines) == 2
     assert any(line.startswith("  --watch itself: at most ") for line in lines), "\n".join(lines)
     png = metrics_file.with_name(metrics_file.stem + ".monitor.png")

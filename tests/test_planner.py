@@ -1,4 +1,4 @@
-"""utils/planner.py: the physics its docstring states (compute, recomputation, attention kernels, ZeRO under
+"""utils/planner/: the physics its modules' docstrings state (compute, recomputation, attention kernels, ZeRO under
 gradient accumulation, interleaved and uneven pipelines, the memory reserve, GPU presets), checked by hand; the
 layouts it refuses and why; the command line, including what it says when nothing runs. The published runs it
 reproduces are tests/test_published_runs.py's, the real-size shards tests/test_measure_at_scale.py's."""
@@ -24,11 +24,14 @@ from utils.planner import (
     activation_bytes_per_layer,
     all_gather_seconds,
     all_reduce_seconds,
+    all_to_all_seconds,
     bubble_fraction,
     check_layout,
     evaluate,
+    gemm_slowdown,
     in_flight,
     inside_one_node,
+    layer_gemms,
     model_flops_per_token,
     plan,
     planned_stage_layers,
@@ -37,6 +40,7 @@ from utils.planner import (
     rank_parameter_shapes,
     stage_activation_bytes,
     stage_model_state,
+    stage_params,
 )
 
 # The issue's example: a Llama-3-70B-shaped model on 8 nodes of 8 H100s.
@@ -57,18 +61,18 @@ def test_model_state_is_utils_memory_for_each_stage():
     layers and the embedding (first stage) or the head (last); predict reports the stage that needs the most."""
     for dp, tp, pp, zero in [(8, 2, 4, 0), (8, 2, 4, 1), (4, 2, 8, 1), (64, 1, 1, 3), (16, 4, 1, 2)]:
         layout = Layout(dp, tp, pp, micro_batch=1, microbatches=1024 // dp, zero=zero)
-        even = model_state_bytes(70e9 / (tp * pp), dp, zero, "mixed", "adam")
+        even = model_state_bytes(70e9 / (tp * pp), dp, zero, "bf16", "adam")
         assert stage_model_state(LLAMA70, layout) == even
         embedding = 128256 * 8192
         layer = (70e9 - 2 * embedding) / 80
         first = (80 // pp * layer + embedding + (pp == 1) * embedding) / tp
-        assert stage_model_state(LLAMA70, layout, stage=0) == model_state_bytes(first, dp, zero, "mixed", "adam")
+        assert stage_model_state(LLAMA70, layout, stage=0) == model_state_bytes(first, dp, zero, "bf16", "adam")
         pred = predict(LLAMA70, H100x64, layout)
         assert pred.model_state == stage_model_state(LLAMA70, layout, stage=pred.stage)
         assert pred.stage == 0  # the first stage: the embedding and the most micro-batches in flight
-    # By hand: ZeRO-3 over 64 ranks of the whole model, 2 + 2 + 12 bytes per parameter.
+    # By hand: ZeRO-3 over 64 ranks of the whole model, 2 + 4 + 12 bytes per parameter (bf16, fp32 gradients).
     layout = Layout(64, 1, 1, 1, 16, zero=3)
-    assert sum(predict(LLAMA70, H100x64, layout).model_state.values()) == 16 * 70e9 / 64
+    assert sum(predict(LLAMA70, H100x64, layout).model_state.values()) == 18 * 70e9 / 64
 
 
 def test_a_ranks_own_slice_of_the_course_model():
@@ -358,7 +362,7 @@ def test_zero_under_gradient_accumulation_as_torch_runs_it():
         assert reason.startswith(f"ZeRO-{zero} under a pipeline holds what ZeRO-1 holds"), reason
     model = Model(params=8e9, layers=32, hidden=4096, heads=32, vocab=128256, seq_len=4096)
     cluster = Cluster(gpus=8, gpus_per_node=4)  # dp crosses the node: the slow link
-    grads = 2 * 8e9  # bf16 gradients of the whole model (tp = pp = 1)
+    grads = 4 * 8e9  # fp32 gradients of the whole model (tp = pp = 1), as bf16 training reduces them
     units = 32 + 2  # one collective per block, the embedding and the head one each
     one = units * all_gather_seconds(grads / units, 8, 50e9, 10e-6)
     transfers = {0: 2, 1: 2, 2: 4 + 1, 3: 3 * 4}
@@ -368,10 +372,10 @@ def test_zero_under_gradient_accumulation_as_torch_runs_it():
         assert 0 <= pred.dp_exposed_s <= pred.dp_s
     inside = predict(model, Cluster(gpus=8, gpus_per_node=8), Layout(8, 1, 1, 1, 4, zero=1))
     assert inside.dp_s == pytest.approx(2 * units * all_gather_seconds(grads / units, 8, 450e9, 5e-6))
-    # ZeRO-3's buffers: two blocks gathered with their unsharded gradients; ZeRO-2's: one block's gradients.
+    # ZeRO-3's buffers: two blocks gathered (bf16) with their unsharded fp32 gradients; ZeRO-2's: one block's gradients.
     layer = (8e9 - 2 * 128256 * 4096) / 32
-    assert predict(model, cluster, Layout(8, 1, 1, 1, 4, zero=3)).buffers == pytest.approx(2 * layer * (2 + 2))
-    assert predict(model, cluster, Layout(8, 1, 1, 1, 4, zero=2)).buffers == pytest.approx(layer * 2)
+    assert predict(model, cluster, Layout(8, 1, 1, 1, 4, zero=3)).buffers == pytest.approx(2 * layer * (2 + 4))
+    assert predict(model, cluster, Layout(8, 1, 1, 1, 4, zero=2)).buffers == pytest.approx(layer * 4)
 
 
 def test_gpu_presets_and_the_reserve():
@@ -470,7 +474,7 @@ def test_context_parallelism_divides_activations_and_adds_the_rings_traffic():
     # TP's all-reduces (4, and 2 that selective recomputation replays) carry s/cp tokens; the gradients go over the
     # dp x cp = 8 ranks that hold the same weights.
     assert inside.tp_s == pytest.approx(80 * 256 * 6 * all_reduce_seconds(2 * 2048 * 8192, 8, 450e9, 5e-6))
-    grads = 2 * (80 * (70e9 - 2 * 128256 * 8192) / 80 + 2 * 128256 * 8192) / 8
+    grads = 4 * (80 * (70e9 - 2 * 128256 * 8192) / 80 + 2 * 128256 * 8192) / 8  # fp32 gradients
     assert inside.dp_s == pytest.approx(2 * 82 * all_gather_seconds(grads / 82, 8, 50e9, 10e-6))  # 80 blocks + 2
     assert inside.model_state == predict(LLAMA70, H100x64, Layout(8, 8, 1, 1, 128, zero=1)).model_state
     # Refused: a sequence that does not split into 2 x cp chunks, a product that is not the GPU count.
@@ -489,8 +493,8 @@ def test_expert_parallelism_splits_the_experts_and_adds_the_all_to_alls():
     layout = Layout(dp=8, tp=1, pp=1, micro_batch=1, microbatches=8, zero=0, ep=8)
     assert check_layout(MIXTRAL, cluster, layout, 64) is None
     pred = predict(MIXTRAL, cluster, layout)
-    # Mixed precision Adam, 16 bytes a parameter: the dense part whole, 1/8 of the experts.
-    assert sum(pred.model_state.values()) == pytest.approx(16 * (47e9 - experts) + 16 * experts / 8, rel=1e-9)
+    # bf16 Adam, 18 bytes a parameter: the dense part whole, 1/8 of the experts.
+    assert sum(pred.model_state.values()) == pytest.approx(18 * (47e9 - experts) + 18 * experts / 8, rel=1e-9)
     # Per layer and micro-batch: 4 all-to-alls (dispatch and combine, forward and backward) of 4096 tokens x
     # top-2 x 4096 values x 2 bytes, 7/8 of it to the other ranks, 7 messages each.
     one = 7 * 5e-6 + 4096 * 2 * 4096 * 2 * (7 / 8) / 450e9
@@ -556,7 +560,8 @@ def test_command_line_prints_a_ranked_table():
     header = next(i for i, line in enumerate(lines) if "tokens/s" in line and "reason" in line)
     rows = [line.split() for line in lines[header + 1 : header + 6]]
     assert [row[0] for row in rows] == ["1", "2", "3", "4", "5"] and all(row[-1] == "runs" for row in rows)
-    speeds = [float(row[-3].replace(",", "")) for row in rows]
+    assert "MFU(causal)" in lines[header] and "MFU(whole)" in lines[header]
+    speeds = [float(row[-4].replace(",", "")) for row in rows]
     assert speeds == sorted(speeds, reverse=True)
     assert "refused" in lines[header + 6]
     assert "TP group crosses a node" in result.stdout and "does not fit" in result.stdout
@@ -672,3 +677,159 @@ def test_terms_a_plausible_slip_would_change():
     slow = predict(Model(8e9, 32, 4096, 32, 128256, 131072), Cluster(gpus=64), layout)
     fast = predict(Model(8e9, 32, 4096, 32, 128256, 131072), Cluster(gpus=64, attention_speed=1.0), layout)
     assert slow.compute_s > 1.3 * fast.compute_s  # at 128K tokens attention is most of the work
+
+
+def test_bf16_training_keeps_fp32_gradients_and_the_70b_choice_moves():
+    """bf16 training holds 2-byte weights, fp32 gradients and Adam's 12 fp32 bytes: 18 a parameter, 6 + 12/d under
+    ZeRO-1; the ZeRO paper's fp16 count ("mixed", 16) stays available. The two extra bytes move notebook 06's 70B case:
+    the first choice under the fp16 count no longer fits, by exactly its gradients' growth, and fewer layouts run."""
+    from utils.memory import bytes_per_param
+
+    assert bytes_per_param("bf16", "adam") == {"params": 2, "grads": 4, "optimizer": 12}
+    assert bytes_per_param("mixed", "adam") == {"params": 2, "grads": 2, "optimizer": 12}
+    for d in (1, 8, 64):
+        assert sum(model_state_bytes(1024 * d, d, 1, "bf16", "adam").values()) == (6 + 12 / d) * 1024 * d
+    old = plan(LLAMA70, H100x64, 1024, virtual_stages=(1, 2, 4), precision="mixed")
+    new = plan(LLAMA70, H100x64, 1024, virtual_stages=(1, 2, 4))  # the default: bf16
+    was_first = evaluate(LLAMA70, H100x64, old[0].layout, 1024)
+    assert old[0].fits and was_first.reason.startswith("does not fit"), was_first.reason
+    assert was_first.memory - old[0].memory == pytest.approx(old[0].model_state["grads"])  # 2 more bytes: twice 2
+    assert new[0].fits and new[0].layout != old[0].layout
+    assert sum(pred.fits for pred in new) < sum(pred.fits for pred in old)
+
+
+def test_interleaved_last_stage_holds_the_head_and_loss_of_one_microbatch():
+    """Under interleaving the last rank keeps several micro-batches of its earlier chunks, but a micro-batch's
+    backward follows its forward through the last chunk at once: the head's inputs and the fp32 logits exist for one
+    micro-batch. At Llama 3 405B's layout that is gigabytes the old count charged per micro-batch in flight."""
+    llama405 = Model(405e9, 126, 16384, 128, 128000, 8192, ffn_hidden=53248, kv_heads=8, gated_mlp=True, dropout=False)
+    layout = Layout(128, 8, 16, 1, 16, zero=1, recompute="none", framework="megatron", virtual_stages=4)
+    last = layout.pp - 1
+    worth, microbatches = in_flight(layout, last)
+    assert microbatches > 1
+    head_and_loss = stage_activation_bytes(llama405, layout, last, layers=0)
+    assert activation_bytes(llama405, layout, last, layers=0) == head_and_loss  # one micro-batch's
+    assert head_and_loss * (microbatches - 1) > 5e9  # what charging every micro-batch in flight overcounted
+
+
+def test_dropout_and_tied_embeddings_are_the_models():
+    """A model without dropout (Llama) keeps no masks: two 1-byte sbh masks a layer fewer (and the embedding's); with
+    tied embeddings one V x h matrix is counted in the parameters, held once by a single stage and copied onto the
+    first and the last stage under a pipeline."""
+    gpt = Model(70e9, 80, 8192, 64, 128256, 4096)
+    llama = dataclasses.replace(gpt, dropout=False)
+    layout = Layout(16, 4, 1, 1, 64, recompute="none")
+    s, h, t = 4096, 8192, 4
+    masks = 2 * s * h / t + s * h / t  # two per layer (split by SP), the embedding's
+    per_layer = activation_bytes_per_layer(s, 1, h, 64, t, True, "none", fused_attention=True, framework="torch")
+    no_masks = activation_bytes_per_layer(s, 1, h, 64, t, True, "none", dropout=False, fused_attention=True,
+                                          framework="torch")  # fmt: skip
+    assert per_layer - no_masks == 2 * s * h / t
+    assert activation_bytes(gpt, layout) - activation_bytes(llama, layout) == pytest.approx(
+        80 * 2 * s * h / t + s * h / t
+    )
+    assert masks > 0
+    tied = dataclasses.replace(gpt, tied_embeddings=True)
+    assert tied.layer_params == pytest.approx(gpt.layer_params + gpt.embedding_params / 80)
+    one_stage = Layout(64, 1, 1, 1, 16)
+    assert sum(stage_params(tied, one_stage, 0, 80)) == pytest.approx(70e9)  # every parameter once
+    two_stages = Layout(32, 1, 2, 1, 32)
+    both = sum(stage_params(tied, two_stages, 0, 40)) + sum(stage_params(tied, two_stages, 1, 40))
+    assert both == pytest.approx(70e9 + tied.embedding_params)  # the head's copy of the embedding
+    assert tied.params_from_shapes == pytest.approx(gpt.params_from_shapes - gpt.embedding_params)
+
+
+def test_matmuls_on_the_roofline_and_expert_products_priced_by_their_tokens():
+    """A product of many rows runs at the matmul rate; one of few rows (an expert's share of a micro-batch) is bound by
+    the bytes of its weights: 128 tokens a DeepSeek-V3-sized expert on a 4-way TP slice. Expert parallelism gathers
+    the tokens of ep ranks for each expert, and the same product runs at the matmul rate again."""
+    h800 = Cluster.of("H800", 2048)
+    big = (8192, 7168, 7168)
+    assert h800.gemm_seconds(*big) == pytest.approx(2 * math.prod(big) / h800.matmul_flops)
+    deepseek = Model(671e9, 61, 7168, 128, 128000, 4096, experts=256, top_k=8, ffn_hidden=2921)
+    alone = Layout(16, 4, 32, 1, 480, ep=1)
+    spread = Layout(128, 1, 16, 1, 120, ep=64)
+    dense, experts = layer_gemms(deepseek, alone)
+    assert experts[0][0] == 4096 * 8 / 256 == 128  # tokens per expert a micro-batch, without EP
+    assert gemm_slowdown(h800, experts) > 1.3 and gemm_slowdown(h800, dense) == 1.0
+    assert (
+        layer_gemms(deepseek, spread)[1][0][0] == 128 * 64
+        and gemm_slowdown(h800, layer_gemms(deepseek, spread)[1]) == 1
+    )
+    # The dense runs of Table 1 and Llama 3 are compute-bound: the roofline changes none of them.
+    assert gemm_slowdown(Cluster.of("A100", 8), layer_gemms(LLAMA70, Layout(1, 8, 1, 1, 1))[0]) == 1.0
+
+
+def test_all_to_all_overlap_is_a_stated_choice():
+    """ep_overlap "none" charges every all-to-all; "compute" hides them behind another micro-batch's compute of the
+    layer (DualPipe), charging only the excess; anything else is refused with the choices."""
+    cluster = Cluster(gpus=16)
+    layout = Layout(16, 1, 1, 1, 4, zero=1, ep=8)
+    exposed = all_to_all_seconds(MIXTRAL, cluster, layout)
+    assert exposed > 0
+    for compute in (0.0, exposed / 2, 2 * exposed):
+        hidden = all_to_all_seconds(MIXTRAL, cluster, dataclasses.replace(layout, ep_overlap="compute"), compute)
+        assert hidden == pytest.approx(max(0.0, exposed - compute))
+    reason = check_layout(MIXTRAL, cluster, dataclasses.replace(layout, ep_overlap="some"), 64)
+    assert reason.startswith("unknown all-to-all overlap") and "compute" in reason
+
+
+def test_a_deepseek_v3_like_moe_on_2048_h800s():
+    """671B, 256 experts of which 8 a token, 2,048 H800s, DeepSeek-V3's batch (notebooks/data/published_layouts.json's
+    planner_model). With the all-to-alls exposed the first choice is still ep 1, tp 4, pp 32, but at two sequences a
+    micro-batch: 256 tokens an expert, where its products reach the matmul rate, and no all-to-all at all, which across
+    nodes would cost more than EP saves. With them hidden behind another micro-batch's compute, as DualPipe does, the
+    first choice splits the experts (ep > 1) and narrows TP, and DeepSeek's own layout (tp 1, ep 64, pp 16) climbs."""
+    from utils.published_runs import load
+
+    entry = load()["comparisons"][0]
+    model, cluster = Model(**entry["planner_model"]), Cluster.of("H800", 2048)
+    options = dict(micro_batches=(1, 2, 4, 8), eps=(1, 8, 64), virtual_stages=(1, 2, 4))
+    ranked = {}
+    for overlap in ("none", "compute"):
+        runnable = [p for p in plan(model, cluster, 15360, software={"ep_overlap": overlap}, **options) if p.fits]
+        published = next(i for i, p in enumerate(runnable) if (p.layout.tp, p.layout.pp, p.layout.ep) == (1, 16, 64))
+        ranked[overlap] = (runnable[0].layout, published)
+    first, _ = ranked["none"]
+    assert (first.ep, first.tp, first.pp, first.micro_batch) == (1, 4, 32, 2)
+    _, experts = layer_gemms(model, first)
+    assert gemm_slowdown(cluster, experts) == 1.0  # 256 tokens an expert: past the roofline's ridge
+    one_sequence = dataclasses.replace(first, micro_batch=1)
+    assert gemm_slowdown(cluster, layer_gemms(model, one_sequence)[1]) > 1  # 128: memory-bound
+    hidden, published_rank = ranked["compute"]
+    assert hidden.ep > 1 and hidden.tp < 4 and published_rank < ranked["none"][1]
+
+
+def test_the_command_line_states_the_models_the_lesson_discusses():
+    """--kv-heads, --ffn-hidden, --gated-mlp, --no-dropout and --framework describe Llama 3 405B as utils.published_runs
+    does: the same Model, and so the same memory for Meta's layout; a --params that the sizes contradict is refused
+    in one line."""
+    from utils import published_runs
+    from utils.planner import cli
+
+    entry = next(e for e in published_runs.load()["layouts"] if e["name"] == "Llama 3 405B, 16K GPUs")
+    argv = (
+        "--params 405e9 --layers 126 --hidden 16384 --heads 128 --kv-heads 8 --vocab 128000 --seq-len 8192 "
+        "--ffn-hidden 53248 --gated-mlp --no-dropout --framework megatron --global-batch 2048 --gpus 16384"
+    ).split()
+    parser = cli.parser()
+    model, cluster, options, state = cli.configure(parser.parse_args(argv), parser)
+    assert model == published_runs.model_of(entry) and state["precision"] == "bf16"
+    assert options["software"]["framework"] == "megatron"
+    row = next(row for row in published_runs.compare(ranks=False) if row.name == entry["name"])
+    assert predict(model, cluster, row.layout, **state).memory == pytest.approx(row.memory)
+    result = run_planner(*"--params 1e6 --layers 80 --hidden 8192 --heads 64 --vocab 128256 --seq-len 4096".split(),
+                         "--global-batch", "64", "--gpus", "8")  # fmt: skip
+    last = result.stderr.splitlines()[-1]
+    assert result.returncode == 2 and "--params 1e+06" in last and "fix the one that is wrong" in last
+
+
+def test_mfu_in_both_conventions():
+    """The causal count (6 L s h a token for the attention) and the whole one (12 L s h), the same run: at 128K
+    tokens the attention is most of the work and the two differ most."""
+    for seq_len in (4096, 131072):
+        model = Model(8e9, 32, 4096, 32, 128256, seq_len)
+        pred = predict(model, Cluster(gpus=64), Layout(8, 8, 1, 1, 16, zero=1, cp=1))
+        whole = model_flops_per_token(model, whole_attention=True) / model_flops_per_token(model)
+        assert pred.mfu_whole == pytest.approx(pred.mfu * whole)
+    assert whole > 1.5  # at 128K tokens

@@ -9,7 +9,7 @@ What several lessons share, and a learner reads (the top of utils/):
 - gather.py: whole parameters back from any layout (DTensor, hand-written shards, pipeline stages), and a checksum.
 - collective_counter.py: the collectives a piece of code runs and the bytes they move.
 - memory.py: model-state memory per rank under ZeRO 0-3, and the bytes autograd saves for backward.
-- planner.py: the layout planner for real scale (which dp, tp, pp, cp, ep fits and runs fastest).
+- planner/: the layout planner for real scale (which dp, tp, pp, cp, ep fits and runs fastest), by concern.
 - published_runs.py: published training runs beside the planner's prediction, with the error.
 - measure_at_scale.py: the planner's memory against what PyTorch allocates for a 70B-like model, under a fake group.
 - monitor.py: --watch, how busy each device and process is while a job runs, and the job report read from it.

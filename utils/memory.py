@@ -8,7 +8,8 @@
     python -m utils.memory --params 7.5e9 --dp 64                 # every stage, as the ZeRO paper's table
 
 The command line defaults to the paper's mixed precision, the function to fp32: lesson 03's runs (fp32, and bf16
-compute with fp32 master state) hold what precision="fp32" predicts.
+compute with fp32 master state) hold what precision="fp32" predicts. The planner (utils/planner/) defaults to "bf16",
+what bf16 training keeps today.
 
 The rule (Rajbhandari et al., "ZeRO", 2020): with Psi parameters and dp data-parallel ranks,
 - stage 0 (DDP) replicates everything:           params Psi, grads Psi, optimizer state Psi  (x bytes each)
@@ -16,10 +17,13 @@ The rule (Rajbhandari et al., "ZeRO", 2020): with Psi parameters and dp data-par
 - stage 2 also shards the gradients:             grads Psi / dp
 - stage 3 also shards the parameters (FSDP):     params Psi / dp
 Bytes per element: fp32 training keeps 4 (params) + 4 (grads) + K (optimizer: 8 for Adam's two moments,
-0 for plain SGD). Mixed precision as in the paper keeps 2 + 2 + K with K = 12 for Adam (an fp32 master copy
-of the parameters plus the two fp32 moments). Training with bf16 compute but fp32 sharded weights
-(FSDP2's MixedPrecisionPolicy(param_dtype=bf16), the lesson's Zero3(compute_dtype=bf16)) holds fp32 state:
-use precision="fp32" for it.
+0 for plain SGD). Mixed precision as in the paper ("mixed", fp16) keeps 2 + 2 + K with K = 12 for Adam (an fp32
+master copy of the parameters plus the two fp32 moments): 16 bytes a parameter. bf16 training ("bf16") keeps its
+gradients in fp32, 2 + 4 + 12 = 18 bytes: bf16's 8-bit mantissa loses small gradients summed over micro-batches, so
+Megatron-LM accumulates and reduces them in fp32 whenever it trains in bf16 (its main_grad buffers), and torchtitan's
+FSDP2 reduces them in fp32 (reduce_dtype); with a distributed optimizer (ZeRO-1) that is 6 + 12/dp. Training with
+bf16 compute but fp32 sharded weights (FSDP2's MixedPrecisionPolicy(param_dtype=bf16), the lesson's
+Zero3(compute_dtype=bf16)) holds fp32 state: use precision="fp32" for it.
 
 Padding: a sharded tensor of n elements split over dp ranks is padded to a multiple of dp, so each rank
 holds ceil(n / dp) elements. `padded_params` is the total after padding (every sharded buffer rounded up);
@@ -36,14 +40,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-PRECISIONS = {"fp32": (4, 4), "mixed": (2, 2)}  # bytes per element of (parameters, gradients)
+PRECISIONS = {"fp32": (4, 4), "mixed": (2, 2), "bf16": (2, 4)}  # bytes per element of (parameters, gradients)
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8}  # fp32 bytes of state per parameter
-MASTER_COPY = {"fp32": 0, "mixed": 4}  # mixed precision keeps an fp32 copy of the parameters in the optimizer
+MASTER_COPY = {"fp32": 0, "mixed": 4, "bf16": 4}  # 16-bit parameters need an fp32 copy in the optimizer
 STAGES = {0: "DDP (replicated)", 1: "ZeRO-1 (optimizer)", 2: "ZeRO-2 (+ gradients)", 3: "ZeRO-3 (+ parameters)"}
 
 
 def bytes_per_param(precision: str = "fp32", optimizer: str = "adam") -> dict:
-    """Bytes per parameter of (params, grads, optimizer) before any sharding: 4+4+8 fp32 Adam, 2+2+12 mixed."""
+    """Bytes per parameter of (params, grads, optimizer) before any sharding: 4+4+8 fp32 Adam, 2+2+12 mixed (the
+    ZeRO paper's fp16), 2+4+12 bf16 (fp32 gradients)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}")
     if optimizer not in OPTIMIZER_STATE:
@@ -196,7 +201,8 @@ def main(argv=None):
         "--precision",
         choices=sorted(PRECISIONS),
         default="mixed",
-        help="mixed (default, the ZeRO paper's): fp16/bf16 parameters and gradients + an fp32 master copy; fp32: "
+        help="mixed (default, the ZeRO paper's): fp16 parameters and gradients + an fp32 master copy; bf16: bf16 "
+        "parameters, fp32 gradients (as bf16 training accumulates and reduces them) + an fp32 master copy; fp32: "
         "fp32 training, and also autocast or FSDP2's bf16 policy, which keep fp32 parameters and gradients "
         "(model_state_bytes() defaults to fp32)",
     )

@@ -10,8 +10,11 @@ The runs are notebooks/data/published_layouts.json's, each predicted on its own 
 published layout (dp, tp, pp, cp, micro-batch, micro-batches from the global batch) and the recomputation, sequence
 parallelism and attention kernel its software ran (the json's `families` and `as_run`: what the source states, and
 what is assumed, with why). What a source leaves out (the micro-batch size, the number of virtual stages) is the
-planner's best choice for that same dp, tp, pp, cp, and the table says so. Each run is compared in the quantity its
-source publishes, counted as the source counts it:
+planner's best choice for that same dp, tp, pp, cp, and the table says so, with the figure the slowest of those
+choices would give beside it (a row's error is read against that range). The model state is what the source's software
+kept (the json's as_run precision: Megatron-LM's papers fp16 with 16-bit gradients, the ZeRO paper's 16 bytes a
+parameter; Llama 3 bf16 with fp32 gradients, 18). Each run is compared in the quantity its source publishes, counted
+as the source counts it:
 - Narayanan et al. 2021, Table 1: hardware TFLOP/s per GPU (their equation (3) counts full recomputation's extra
   forward): the planner's tflops_per_gpu with recompute="full", unfused attention, no sequence parallelism.
 - Korthikanti et al. 2022, Table 5: MFU and HFU (their equations (7) and (8): the attention counted whole, and in
@@ -92,6 +95,9 @@ class Row:
     candidates: int | None = None  # how many runnable layouts the planner found for the same model, GPUs, batch
     choices: str = ""  # what the planner chose because the source does not say
     note: str = ""  # why there is no number
+    spread: tuple | None = (
+        None  # (lowest, highest, the lowest's choices) over what a source leaves open, if they differ
+    )
 
     @property
     def error(self) -> float | None:
@@ -118,7 +124,7 @@ def model_of(entry: dict) -> Model:
     return Model(
         entry["params"], entry["layers"], entry["hidden"], entry["heads"], entry["vocab"], entry["seq_len"],
         entry.get("experts", 1), entry.get("top_k", 1), entry.get("ffn_hidden"), entry.get("kv_heads"),
-        entry.get("gated_mlp", False),
+        entry.get("gated_mlp", False), entry.get("dropout", True),
     )  # fmt: skip
 
 
@@ -143,6 +149,11 @@ def chunks_even(entry: dict, v: int) -> bool:
     return math.ceil(layers / pp) % v == 0
 
 
+def state_of(run: dict) -> dict:
+    """The model state's precision and optimizer as the source's software kept them (utils/memory.py's names)."""
+    return {"precision": run.get("precision", "bf16"), "optimizer": "adam"}
+
+
 def variants(entry: dict, run: dict) -> list[Layout]:
     """The published layout with every choice the source leaves open (micro-batch, virtual stages, recomputation)
     taken over the planner's candidates; the stated ones fixed."""
@@ -161,14 +172,21 @@ def variants(entry: dict, run: dict) -> list[Layout]:
     ]
 
 
-def predict_published(entry: dict, run: dict, model: Model, cluster: Cluster) -> Prediction:
-    """The published layout as predicted: the fastest variant that fits; when none fits (the planner then disagrees
-    with a run that happened), the fastest whose shape is sound, with the memory refusal kept as its reason."""
-    predictions = [evaluate(model, cluster, layout, entry["global_batch"]) for layout in variants(entry, run)]
+def candidates_of(entry: dict, run: dict, model: Model, cluster: Cluster) -> list[Prediction]:
+    """Every variant of the published layout that fits; when none fits (the planner then disagrees with a run that
+    happened), every one whose shape is sound, with the memory refusal kept as its reason."""
+    predictions = [evaluate(model, cluster, layout, entry["global_batch"], **state_of(run))
+                   for layout in variants(entry, run)]  # fmt: skip
     runnable = [pred for pred in predictions if pred.fits] or [pred for pred in predictions if pred.step_s]
     if not runnable:
         raise ValueError(f"{entry['name']}: the planner refuses every variant ({predictions[0].reason})")
-    return max(runnable, key=lambda pred: pred.tokens_per_s)
+    return runnable
+
+
+def predict_published(entry: dict, run: dict, model: Model, cluster: Cluster) -> Prediction:
+    """The published layout as predicted: the fastest of its candidates (candidates_of). Where the source is silent
+    that is the planner's best choice, the top of the range run_rows reports."""
+    return max(candidates_of(entry, run, model, cluster), key=lambda pred: pred.tokens_per_s)
 
 
 def choices_made(entry: dict, run: dict, layout: Layout) -> str:
@@ -195,7 +213,7 @@ def rank_of(entry: dict, run: dict, model: Model, cluster: Cluster) -> tuple[int
     cp, ep = entry.get("cp", 1), entry.get("ep", 1)
     ranked = plan(
         model, cluster, entry["global_batch"], MICRO_BATCHES, run["sequence_parallel"], powers_of_two_to(cp),
-        powers_of_two_to(ep), PLAN_VIRTUAL_STAGES, {"framework": run.get("framework", "torch")},
+        powers_of_two_to(ep), PLAN_VIRTUAL_STAGES, {"framework": run.get("framework", "torch")}, **state_of(run),
     )  # fmt: skip
     runnable = [pred for pred in ranked if pred.fits]
     dims = (entry["dp"], entry["tp"], entry["pp"], cp)
@@ -209,7 +227,8 @@ def run_rows(entry: dict, families: dict, ranks: bool) -> list[Row]:
     """One published run: a row per quantity its source publishes."""
     run = as_run(entry, families)
     model, cluster = model_of(entry), cluster_of(entry)
-    pred = predict_published(entry, run, model, cluster)
+    candidates = candidates_of(entry, run, model, cluster)
+    pred = max(candidates, key=lambda pred: pred.tokens_per_s)
     common = dict(
         name=entry["name"], family=entry["family"], layout=pred.layout, memory=pred.memory, fits=pred.fits,
         reason=pred.reason, choices=choices_made(entry, run, pred.layout),
@@ -219,22 +238,31 @@ def run_rows(entry: dict, families: dict, ranks: bool) -> list[Row]:
         common["rank"], common["candidates"] = rank_of(entry, run, model, cluster)
     published, tolerance, batch = entry["published"], TOLERANCE[entry["family"]], entry["global_batch"]
     rows = []
+
+    def spread(quantity):  # over the choices the source leaves open: None when they agree to 0.1 %
+        slowest = min(candidates, key=quantity)
+        low, high = quantity(slowest), quantity(pred)
+        return (low, high, choices_made(entry, run, slowest.layout)) if high > 1.001 * low else None
+
     if entry["family"] == "narayanan2021":
         rows.append(Row(quantity="TFLOP/s per GPU", published=published["tflops_per_gpu"],
-                        predicted=pred.tflops_per_gpu, tolerance=tolerance, **common))  # fmt: skip
+                        predicted=pred.tflops_per_gpu, tolerance=tolerance,
+                        spread=spread(lambda p: p.tflops_per_gpu), **common))  # fmt: skip
     # MFU as both sources count it: the attention's scores counted whole, 12 L s h a token (PaLM's count, and
     # Korthikanti et al.'s equation (7)), where the planner's own MFU counts the causal half.
-    mfu = pred.mfu * model_flops_per_token(model, whole_attention=True) / model_flops_per_token(model)
+    whole = model_flops_per_token(model, whole_attention=True) / model_flops_per_token(model)
+    mfu = pred.mfu * whole
     if "mfu_percent" in published:
         rows.append(Row(quantity="MFU", published=published["mfu_percent"] / 100, predicted=mfu,
-                        tolerance=tolerance, **common))  # fmt: skip
+                        tolerance=tolerance, spread=spread(lambda p: p.mfu * whole), **common))  # fmt: skip
     if "hfu_percent" in published:  # equation (8): equation (7)'s count with s/3h for s/6h (the recomputed attention)
         s, h, vocab, layers = model.seq_len, model.hidden, model.vocab, model.layers
         hfu = mfu * (1 + s / (3 * h) + vocab / (12 * h * layers)) / (1 + s / (6 * h) + vocab / (12 * h * layers))
         rows.append(Row(quantity="HFU", published=published["hfu_percent"] / 100, predicted=hfu,
                         tolerance=tolerance, **common))  # fmt: skip
     if "iteration_s_full_recompute" in published:  # Korthikanti's baseline: full recomputation, no SP
-        full = evaluate(model, cluster, replace(pred.layout, recompute="full", sequence_parallel=False), batch)
+        full = evaluate(model, cluster, replace(pred.layout, recompute="full", sequence_parallel=False), batch,
+                        **state_of(run))  # fmt: skip
         rows.append(Row(quantity="speed-up", published=published["iteration_s_full_recompute"] /
                         published["iteration_s"], predicted=full.step_s / pred.step_s,
                         tolerance=TOLERANCE["speed-up"], **common))  # fmt: skip
@@ -243,7 +271,7 @@ def run_rows(entry: dict, families: dict, ranks: bool) -> list[Row]:
         # recomputation (Table 5 ran it), and with neither of the two alone.
         def fits(recompute, sequence_parallel):
             layout = replace(pred.layout, recompute=recompute, sequence_parallel=sequence_parallel)
-            return evaluate(model, cluster, layout, batch).fits
+            return evaluate(model, cluster, layout, batch, **state_of(run)).fits
 
         claim = fits("selective", True) and fits("full", False)
         claim = claim and not any(fits(r, sp) for r, sp in (("none", False), ("none", True), ("selective", False)))
@@ -332,6 +360,10 @@ def table(rows: list[Row]) -> str:
         previous = row.name
         if row.choices:
             notes.append(f"{row.name}: the planner's where the source is silent: {row.choices}")
+        if row.spread:
+            low, high = (figure(value, row.quantity) for value in row.spread[:2])
+            notes.append(f"{row.name}, {row.quantity}: {high} with the planner's choices, {low} with the slowest "
+                         f"the source leaves open ({row.spread[2]})")  # fmt: skip
         if row.note and row.family not in ("zero2020",):
             notes.append(f"{row.name}, {row.quantity}: {row.note}")
         if row.fits is False:
