@@ -34,8 +34,26 @@ from tests.harness.slurm_helpers import (
 pytestmark = pytest.mark.slurm
 
 SBATCH_FILES = sorted((ROOT / "slurm").glob("*.sbatch"))
+SAME_BUT = re.compile(r"^#SBATCH --(job-name|nodes)=")  # the lines a one-node file and its two-node twin may differ in
+
+
+def code_lines(sbatch_file: Path) -> list[str]:
+    """What the job runs: the file without its comments, blank lines, job name and node count."""
+    lines = (line.split(" #")[0].rstrip() for line in sbatch_file.read_text().splitlines())
+    return [line for line in lines if line and not (line.startswith("#") and not line.startswith("#SBATCH"))
+            and not SAME_BUT.match(line)]  # fmt: skip
+
+
+def one_node_twins() -> dict[Path, Path]:
+    """One-node files whose job is their two-node twin's, but for --nodes (lessons 02, 05, 08): {one: two}."""
+    pairs = {f: f.with_name(f"{f.stem}_2nodes.sbatch") for f in SBATCH_FILES}
+    return {one: two for one, two in pairs.items() if two.is_file() and code_lines(one) == code_lines(two)}
+
+
 # A sweep runs its lesson several times and reports on the folder: tests/test_06_sweep.py runs it and checks that.
-LESSON_JOBS = [f for f in SBATCH_FILES if not f.stem.endswith("_sweep")]
+# A one-node file whose job is its two-node twin's line for line (test_one_node_twins_run_their_two_node_job) is not
+# run again: the twin runs the same body on two nodes, where the rendezvous crosses the network.
+LESSON_JOBS = [f for f in SBATCH_FILES if not f.stem.endswith("_sweep") and f not in one_node_twins()]
 NPROC_PER_NODE = 2
 STEPS = 2
 IN_CI = os.environ.get("CI") == "true"
@@ -126,6 +144,19 @@ def test_sbatch_follows_the_course_idiom(sbatch_file):
     hard_coded = re.findall(r"^#SBATCH\s+(--account|-A|--partition|-p|--reservation)\b", text, re.M)
     assert not missing, f"{sbatch_file.name} lacks: " + "; ".join(missing)
     assert not hard_coded, f"{sbatch_file.name} hard-codes {hard_coded}: site values belong in slurm/site.sh"
+
+
+def test_one_node_twins_run_their_two_node_job():
+    """A two-node file that says it differs from the one-node file only in --nodes=2 (and the job name) does: the
+    one-node job is then the two-node job's body, which test_sbatch_file_runs_on_slurm runs."""
+    said = re.compile(r"differs from \S+\.sbatch only in --nodes=2 \(and the job name\)")
+    claimed = {f for f in SBATCH_FILES if said.search(" ".join(f.read_text().replace("#", " ").split()))}
+    twins = one_node_twins()
+    assert {two for two in twins.values()} == claimed, (
+        f"two-node files that say they differ only in --nodes: {sorted(f.name for f in claimed)}; "
+        f"those that do: {sorted(two.name for two in twins.values())}"
+    )
+    assert len(twins) >= 2 and all(two in LESSON_JOBS and one not in LESSON_JOBS for one, two in twins.items())
 
 
 @pytest.mark.parametrize("sbatch_file", LESSON_JOBS, ids=[f.name for f in LESSON_JOBS])
