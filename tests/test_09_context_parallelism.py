@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext
-from tests.harness.todo_calls import call
+from tests.harness.todo_calls import call, prerequisites
 from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
@@ -457,25 +457,14 @@ PATCHED_CHECKS = {4: check_todo4, 8: check_todo8}
 @pytest.fixture(scope="module")
 def needs(script):
     """needs(1, 3, ...): skip this test, naming them, while those TODOs fail their own checks."""
-    outcome = {}
 
-    def check(*todos):
-        for todo in todos:
-            if todo not in outcome:
-                try:
-                    if todo in PATCHED_CHECKS:
-                        with pytest.MonkeyPatch.context() as patch:
-                            PATCHED_CHECKS[todo](script, patch)
-                    else:
-                        CHECKS[todo](script)
-                    outcome[todo] = True
-                except BaseException:  # AssertionError, or pytest.fail's exception
-                    outcome[todo] = False
-        failing = [todo for todo in todos if not outcome[todo]]
-        if failing:
-            pytest.skip(f"needs TODO {', '.join(map(str, failing))} first (see its own test)")
+    def passes(todo):
+        if todo in PATCHED_CHECKS:
+            with pytest.MonkeyPatch.context() as patch:
+                return PATCHED_CHECKS[todo](script, patch)
+        return CHECKS[todo](script)
 
-    return check
+    return prerequisites(passes)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 
 from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext
-from tests.harness.todo_calls import call
+from tests.harness.todo_calls import call, prerequisites
 from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.lesson_11.profiling import read_events, trace_path, training_thread
@@ -215,21 +215,7 @@ def check_todo5(script):
 @pytest.fixture(scope="module")
 def needs(script):
     """needs(2): skip this test, naming the TODO, while that TODO's own check fails."""
-    outcome = {}
-
-    def check(*todos):
-        for todo in todos:
-            if todo not in outcome:
-                try:
-                    {1: check_todo1, 2: check_todo2, 4: check_todo4}[todo](script)
-                    outcome[todo] = True
-                except BaseException:  # AssertionError, or pytest.fail's exception
-                    outcome[todo] = False
-        failing = [todo for todo in todos if not outcome[todo]]
-        if failing:
-            pytest.skip(f"needs TODO {', '.join(map(str, failing))} first (see its own test)")
-
-    return check
+    return prerequisites(lambda todo: {1: check_todo1, 2: check_todo2, 4: check_todo4}[todo](script))
 
 
 def test_todo1_kind_of_each_event(script):
