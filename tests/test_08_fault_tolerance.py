@@ -176,7 +176,10 @@ def test_todo1_checkpoint_holds_model_optimizer_rng_and_position(module):
     model, optimizer, scheduler = tiny_training(module)
     progress = module.Progress(step=2, epoch=1, offset=16, losses=[5.5, 5.4])
     sharded, per_rank, shared = call(1, module.checkpoint_state, model, optimizer, scheduler, progress)
-    assert set(sharded) >= {"model", "optimizer"}, f"TODO 1: the DCP part needs model and optimizer, has {set(sharded)}"
+    missing = sorted({"model", "optimizer"} - set(sharded))
+    assert not missing, f"TODO 1: the DCP part (sharded) lacks {missing}, has {sorted(sharded)}" + (
+        ": AdamW's moments would restart at zero on resume" if missing == ["optimizer"] else ""
+    )
     keys, expected = set(sharded["model"]), set(model.state_dict())
     assert keys == expected, (
         f"TODO 1: sharded['model'] should hold the model's {len(expected)} tensors by name; missing "
@@ -188,18 +191,24 @@ def test_todo1_checkpoint_holds_model_optimizer_rng_and_position(module):
         f"{sorted(sharded['optimizer'])}: the optimizer's state, not only its settings"
     )
     rng = per_rank.get("rng", {}).get("torch")
-    assert rng is not None and torch.equal(rng, torch.get_rng_state()), (
-        f"TODO 1: per_rank['rng']['torch'] should be this rank's CPU generator state, got {type(rng).__name__}"
+    assert rng is not None, (
+        f"TODO 1: per_rank holds no ['rng']['torch'] (it has {per_rank!r:.80}): this rank's random generator state "
+        "is missing, so a resumed run would draw other random numbers"
+    )
+    assert torch.equal(rng, torch.get_rng_state()), (
+        "TODO 1: per_rank['rng']['torch'] differs from this rank's CPU generator state now"
     )
     for key, value in {"step": 2, "epoch": 1, "offset": 16, "losses": [5.5, 5.4]}.items():
         assert shared.get(key) == value, f"TODO 1: shared[{key!r}] should be {value!r}, not {shared.get(key)!r}"
     saved = shared.get("scheduler")
     assert isinstance(saved, dict) and saved.get("last_epoch") == 2, (
-        f"TODO 1: shared['scheduler'] should be the schedule's state dict at step 2, got {saved!r}"
+        f"TODO 1: shared['scheduler'] is {saved!r:.80}, want the LR schedule's state dict at step 2"
+        + (": the LR schedule is missing, so a resumed run would restart its warm-up" if saved is None else "")
     )
     progress.losses.append(5.3)
     assert shared["losses"] == [5.5, 5.4], (
-        f"TODO 1: the saved losses changed to {shared['losses']} when the run appended one: save a copy"
+        f"TODO 1: the saved losses changed to {shared['losses']} when the run appended 5.3 after the save: as if "
+        "the run's own list was saved, not a copy"
     )
 
 
@@ -238,32 +247,41 @@ def check_publish_order(log, staging, final, pointer):
     moves = [i for i, entry in enumerate(log) if entry[0] != "fsync"]
     published = [i for i in moves if log[i][1] == staging and log[i][2] == final]
     assert len(published) == 1, (
-        f"TODO 2: publish with one os.rename(staging, final), found {[log[i][:3] for i in moves]}"
+        f"TODO 2: {len(published)} renames of {staging.name} to {final.name}, want one (the atomic publish); the "
+        f"moves were {[(log[i][0], log[i][1].name, log[i][2].name) for i in moves]}"
     )
     at = published[0]
     assert "meta.json" in (log[at][4] or []), (
-        "TODO 2: META must be in the staging folder before the rename (written last, but before the publish); "
-        "renamed first, a crash in between leaves a published checkpoint without META"
+        f"TODO 2: the staging folder held {log[at][4]} when it was renamed, no meta.json: META came after the "
+        "publish, so a crash in between leaves a published checkpoint without META"
     )
     meta_inode = (final / "meta.json").stat().st_ino
     assert synced_between(log, meta_inode, 0, at), (
-        "TODO 2: fsync META before the rename (write_durably): else a power loss can publish an empty META"
+        "TODO 2: META was not fsync'ed before the rename: after a power loss the published folder can hold an "
+        "empty META"
     )
     onto_pointer = [i for i in moves if log[i][2] == pointer]
     assert onto_pointer and log[onto_pointer[-1]][3] == pointer.stat().st_ino, (
-        "TODO 2: write the pointer to a temporary file and os.replace it onto 'latest'; written in place, a crash "
+        "TODO 2: 'latest' was written in place, not replaced by a temporary file (no rename onto it): a crash "
         "mid-write leaves a pointer naming nothing"
     )
     replaced = onto_pointer[-1]
-    assert replaced > at, "TODO 2: point 'latest' at the new checkpoint only once it is published (after the rename)"
+    assert replaced > at, (
+        "TODO 2: 'latest' named the new checkpoint before the staging folder was renamed into place: a crash in "
+        "between leaves a pointer to a folder that does not exist"
+    )
     assert synced_between(log, folder, at + 1, replaced), (
-        "TODO 2: fsync the checkpoint folder after the rename (fsync_dir), before the pointer names the new folder: "
-        "else after a power loss 'latest' can name a folder whose rename never reached the disk"
+        "TODO 2: the checkpoint folder was not fsync'ed between the rename and the pointer's replace: after a power "
+        "loss 'latest' can name a folder whose rename never reached the disk"
     )
     assert synced_between(log, pointer.stat().st_ino, at, replaced), (
-        "TODO 2: fsync the pointer's temporary file before replacing 'latest' with it"
+        "TODO 2: the pointer's temporary file was not fsync'ed before it replaced 'latest': after a power loss "
+        "'latest' can be empty"
     )
-    assert synced_between(log, folder, replaced + 1, len(log)), "TODO 2: fsync the folder after replacing 'latest'"
+    assert synced_between(log, folder, replaced + 1, len(log)), (
+        "TODO 2: the folder was not fsync'ed after 'latest' was replaced: after a power loss the old pointer can "
+        "come back"
+    )
 
 
 def test_todo2_publish_is_one_rename_and_a_replaced_pointer(module, tmp_path, monkeypatch):
@@ -276,7 +294,10 @@ def test_todo2_publish_is_one_rename_and_a_replaced_pointer(module, tmp_path, mo
         log.clear()
         final = call(2, module.publish, staging, {"step": step, "losses": [1.0] * step}, 2)
         assert final == tmp_path / f"step-{step:08d}" and final.is_dir(), f"TODO 2: publish into {final}"
-        assert not staging.exists(), "TODO 2: rename the staging folder (os.rename), do not copy it"
+        assert not staging.exists(), (
+            f"TODO 2: {staging.name} still exists after the publish: as if it was copied, not renamed (a copy is "
+            "not atomic)"
+        )
         meta = json.loads((final / "meta.json").read_text())
         assert meta.get("step") == step, "TODO 2: META holds `shared` (the step, losses, ...)"
         assert meta.get("files") == {".metadata": 10, "__0_0.distcp": 100 + step}, (
@@ -336,10 +357,24 @@ def test_todo3_newest_complete_checkpoint_skips_partial_and_damaged_ones(module,
     (tmp_path / "latest").write_text("step-00000010\n")
     found = call(3, module.find_latest, tmp_path)
     said = capsys.readouterr().out
-    assert found == tmp_path / "step-00000004", f"TODO 3: the newest complete checkpoint is step-00000004, not {found}"
+    likely = {  # what a known mistake returns, and that mistake
+        "step-00000002": "as if the oldest checkpoint came first",
+        "step-00000010": "as if the newest folder was taken without checking it is complete",
+        "tmp-step-00000012": "as if the unpublished tmp-step-* folders were candidates too",
+    }
+    name = found.name if isinstance(found, Path) else None
+    assert found == tmp_path / "step-00000004", (
+        f"TODO 3: of step-2, 4, 6 (truncated), 8 (damaged META), 10 (no META) and tmp-step-12 (unpublished), "
+        f"returned {name if name else repr(found)}, want step-00000004"
+        + (f": {likely[name]}" if name in likely else "")
+    )
+    printed = " | ".join(said.strip().splitlines())  # on one line: the report shows a failure's first line
     for name in ("step-00000010", "step-00000008", "step-00000006", "tmp-step-00000012"):
-        assert name in said, f"TODO 3: say why {name} is not used (one line naming it); said:\n{said}"
-    assert "step-00000002" not in said, "TODO 3: stop at the newest complete checkpoint"
+        assert name in said, (
+            f"TODO 3: no line printed names {name}, which is not used: a skipped folder must be named with why"
+            + (" (nothing was printed: skipped silently)" if not said.strip() else f"; printed: {printed}")
+        )
+    assert "step-00000002" not in said, "TODO 3: step-00000002 was looked at after step-00000004, a complete one"
     assert call(3, module.find_latest, tmp_path / "nothing-here") is None, "TODO 3: no folder, no checkpoint: None"
 
 
@@ -364,17 +399,23 @@ def test_todo4_restore_puts_back_weights_schedule_position_and_rng(module, tmp_p
     )
     draw = torch.rand(4)
     assert torch.equal(draw, expected_draw), (
-        f"TODO 4: after restore the generator drew {draw.tolist()}, the saved state draws {expected_draw.tolist()}: "
-        "this rank's RNG state was not put back"
+        f"TODO 4: after restore the generator's first draw is {float(draw[0]):.6f}, the saved state's "
+        f"{float(expected_draw[0]):.6f}: as if this rank's RNG state was not put back"
     )
-    assert (progress.step, progress.epoch, progress.offset) == (3, 2, 24), (
-        f"TODO 4: progress should be step 3, epoch 2, offset 24, not {progress}"
-    )
+    position = {"step": 3, "epoch": 2, "offset": 24}
+    wrong = next((key for key, value in position.items() if getattr(progress, key) != value), None)
+    assert wrong is None, (
+        f"TODO 4: progress.{wrong} is {getattr(progress, wrong)} after restore, the checkpoint's {position[wrong]}"
+        + (": the data position is lost, so the resumed run reads its epoch from the start" if wrong == "offset"
+           else "")
+    )  # fmt: skip
     assert progress.losses == [3.0, 2.0, 1.0], (
-        f"TODO 4: the losses so far should be [3.0, 2.0, 1.0], not {progress.losses}"
+        f"TODO 4: the losses so far are {progress.losses} after restore, the checkpoint's [3.0, 2.0, 1.0]"
+        + (": as if the list of losses restarted" if progress.losses == [] else "")
     )
     assert fresh_scheduler.last_epoch == 3, (
         f"TODO 4: the LR schedule is at step {fresh_scheduler.last_epoch} after restore, the checkpoint's at 3"
+        + (": as if it was not restored (a fresh schedule)" if fresh_scheduler.last_epoch == 0 else "")
     )
     assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr(), (
         f"TODO 4: learning rate {fresh_scheduler.get_last_lr()} after restore, {scheduler.get_last_lr()} saved"

@@ -14,6 +14,7 @@ MUTANTS = [
         find="    return future.then(lambda fut: fut.value()[0].div_(n))\n",
         replace="    averaged = future.then(lambda fut: fut.value()[0].div_(n))\n    averaged.wait()\n"
         "    return averaged\n",
+        shows=("already done", "waited"),
     ),
     # TODO 1: the all-reduce hook
     Mutant(
@@ -21,18 +22,21 @@ MUTANTS = [
         what="returns the sum, not the average (no division by the group size)",
         find="    return future.then(lambda fut: fut.value()[0].div_(n))",
         replace="    return future.then(lambda fut: fut.value()[0])",
+        shows=("not divided by 2",),
     ),
     Mutant(
         todo=1,
         what="averages twice: ReduceOp.AVG, then divides by n again",
         find="    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()",
         replace="    future = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True).get_future()",
+        shows=("averaged twice",),
     ),
     Mutant(
         todo=1,
         what="the callback returns the Future's list of tensors, not the one tensor DDP expects",
         find="    return future.then(lambda fut: fut.value()[0].div_(n))",
         replace="    return future.then(lambda fut: [t.div_(n) for t in fut.value()])",
+        shows=("a list",),
     ),
     # TODO 2: top-k with error feedback
     Mutant(
@@ -40,18 +44,21 @@ MUTANTS = [
         what="no error feedback: what was not sent is forgotten",
         find="    corrected = grad + state.error_of(bucket)",
         replace="    corrected = grad.clone()",
+        shows=("nothing was kept back",),
     ),
     Mutant(
         todo=2,
         what="the k largest values instead of the k largest magnitudes (negative gradients never go out)",
         find="    indices = corrected.abs().topk(k, sorted=False).indices",
         replace="    indices = corrected.topk(k, sorted=False).indices",
+        shows=("largest values were taken, not the largest magnitudes",),
     ),
     Mutant(
         todo=2,
         what="the sent entries stay in the error: they are sent again at the next step",
         find="    corrected[indices] = 0\n",
         replace="",
+        shows=("stayed in the error and was sent again",),
     ),
     Mutant(
         todo=2,
@@ -71,24 +78,28 @@ MUTANTS = [
             "    corrected[indices] = 0\n"
             "    state.errors[bucket.index()] = corrected"
         ),
+        shows=("kept by bucket and position, not per parameter",),
     ),
     Mutant(
         todo=2,
         what="decode ignores the collectives' futures: a failed all-gather decodes an unfilled buffer",
         find="        torch.futures.wait_all(collected.value())  # raises if a collective failed",
         replace="        pass",
+        shows=("the all-gather failed", "nobody filled"),
     ),
     Mutant(
         todo=2,
         what="averages twice: each rank's values divided by n before they are sent, and the sum divided again",
         find="    values = corrected[indices]\n",
         replace="    values = corrected[indices] / n\n",
+        shows=("averaged twice",),
     ),
     Mutant(
         todo=2,
         what="the gathered values are summed, not averaged",
         find="        return torch.zeros_like(grad).index_add_(0, all_indices.long(), all_values).div_(n)",
         replace="        return torch.zeros_like(grad).index_add_(0, all_indices.long(), all_values)",
+        shows=("summed, not averaged",),
     ),
     Mutant(
         todo=2,
@@ -105,6 +116,7 @@ MUTANTS = [
             "        dist.all_gather_single(all_values, values, group=state.group, async_op=True).get_future(),\n"
             "        dist.all_gather_single(all_indices, indices, group=state.group, async_op=True).get_future(),"
         ),
+        shows=("positions went as int64",),
     ),
     # TODO 3: stochastic rounding
     Mutant(
@@ -112,30 +124,35 @@ MUTANTS = [
         what="rounds to the nearest level (biased: small gradients always become 0)",
         find="    up = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) < scaled - low",
         replace="    up = scaled - low >= 0.5",
+        shows=("rounded to the nearest level",),
     ),
     Mutant(
         todo=3,
         what="scale = max|x| instead of max|x| / L: only the levels -1, 0, 1 are used",
         find="    scale = top / levels if top > 0 else torch.ones((), dtype=x.dtype, device=x.device)",
         replace="    scale = top if top > 0 else torch.ones((), dtype=x.dtype, device=x.device)",
+        shows=("as if scale = max|x|",),
     ),
     Mutant(
         todo=3,
         what="draws from the global random generator instead of `generator`",
         find="    up = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) < scaled - low",
         replace="    up = torch.rand(x.shape, device=x.device, dtype=x.dtype) < scaled - low",
+        shows=("seeded alike", "global random generator"),
     ),
     Mutant(
         todo=3,
         what="the comparison inverted: rounds up with probability 1 - the fractional part (biased)",
         find="    up = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) < scaled - low",
         replace="    up = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) > scaled - low",
+        shows=("1 - the fractional part",),
     ),
     Mutant(
         todo=3,
         what="truncates towards zero instead of flooring: negative entries never round down (biased)",
         find="    low = scaled.floor()\n",
         replace="    low = scaled.trunc()\n",
+        shows=("truncated towards zero",),
     ),
     # TODO 4: the quantized exchange
     Mutant(
@@ -143,24 +160,28 @@ MUTANTS = [
         what="decodes every rank's codes with rank 0's scale",
         find="        return dequantize(all_codes, all_scales.view(n, 1)).sum(0).div_(n)",
         replace="        return dequantize(all_codes, all_scales[0]).sum(0).div_(n)",
+        shows=("rank 0's scale",),
     ),
     Mutant(
         todo=4,
         what="decode ignores the collectives' futures: a failed all-gather decodes an unfilled buffer",
         find="        torch.futures.wait_all(collected.value())  # raises the collectives' errors",
         replace="        pass",
+        shows=("the all-gather failed", "unfilled buffers"),
     ),
     Mutant(
         todo=4,
         what="the decoded rows are summed, not averaged",
         find="        return dequantize(all_codes, all_scales.view(n, 1)).sum(0).div_(n)",
         replace="        return dequantize(all_codes, all_scales.view(n, 1)).sum(0)",
+        shows=("summed, not averaged",),
     ),
     Mutant(
         todo=4,
         what="sends the codes in their own dtype: gloo has no int16 collective, 2- and 4-bit codes go unpacked",
         find="    data = to_bytes(codes, state.bits)",
         replace="    data = codes.reshape(-1)",
+        shows=("went unpacked",),
     ),
     # TODO 5: the Local SGD average
     Mutant(
@@ -168,12 +189,14 @@ MUTANTS = [
         what="sums the parameters instead of averaging them",
         find="        vector_to_parameters(flat.div_(dist.get_world_size(group)), params)",
         replace="        vector_to_parameters(flat, params)",
+        shows=("not divided by 2",),
     ),
     Mutant(
         todo=5,
         what="averages into the flat copy but never writes it back into the model",
         find="        vector_to_parameters(flat.div_(dist.get_world_size(group)), params)",
         replace="        flat.div_(dist.get_world_size(group))",
+        shows=("never went back",),
     ),
 ]
 

@@ -6,13 +6,18 @@ LESSON_SCRIPT is solutions/07_communication_efficient.py or a learner's exercise
 from there. Rank 0 writes RESULTS.json: for each check, the numbers the tests judge, or `stopped` (an unfinished
 TODO) or `failed` (any other error, with its message), so that one failing check does not hide the others.
 
+- hook_at_once (TODO 1): the last rank joins 3 s late, so the hook's Future cannot be done on return unless the
+  hook waited; its value on a known bucket, (r + 1) x [0, 1, ..., 7] on rank r, against their average.
 - topk_buckets (TODO 2): the course model in DDP with small buckets, 4 SGD steps. DDP rebuilds its buckets after
   the first step; error feedback must still add each parameter's leftover to that same parameter. Error
   feedback's invariant, per parameter: n x (sum of the decoded averages) + (the ranks' errors now) = the sum of
   every gradient every rank computed. Gradients and outputs are read per parameter through the offsets of
   bucket.gradients() in bucket.buffer(), not through the hook's own bookkeeping.
 - quantize (TODO 4): each rank quantizes a gradient of its own size (rank r's is r + 1 times larger, so the
-  scales differ); the hook's output must be the mean of every rank's own dequantized codes, for every --bits.
+  scales differ); the hook's output must be the mean of every rank's own dequantized codes, for every --bits; what
+  it all-gathers (dtype and bytes) is noted, and what known mistakes would decode beside the right answer.
+- average (TODO 5): rank r's parameters are r + 1 times one vector; after average_parameters, rank 0 must hold
+  their mean.
 - topk_resume (TODO 2 and TopKState.state_dict): 6 steps straight vs 3 steps, a checkpoint (model, optimizer,
   top-k error memory), a fresh model and state loaded from it, 3 more steps: the same losses. Without the error
   memory in the checkpoint the losses differ (which shows the check can fail).
@@ -92,7 +97,7 @@ def check_topk_buckets(lesson, rank, n) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model(inputs), targets).backward()
         optimizer.step()
-    worst, where = 0.0, None
+    worst, where, ratio = 0.0, None, 1.0
     for p in model.parameters():
         kept = state.errors.get(p)
         error = torch.zeros_like(p, dtype=torch.float64) if kept is None else kept.double().view_as(p)
@@ -102,7 +107,35 @@ def check_topk_buckets(lesson, rank, n) -> dict:
         scale = float(together[0].abs().max()) or 1.0
         if missing / scale > worst:
             worst, where = missing / scale, names[p]
-    return {"buckets": [len(layout) for layout in layouts], "layouts": layouts, "worst": worst, "where": where}
+            # n x decoded over what was sent (gradients - errors): n when the values are summed, 1/n when averaged
+            # twice, 1 when right (then the leftovers went astray).
+            sent = together[0] - together[1]
+            ratio = float((together[2] * sent).sum() / (sent * sent).sum()) if sent.any() else 1.0
+    return {
+        "buckets": [len(layout) for layout in layouts],
+        "layouts": layouts,
+        "worst": worst,
+        "where": where,
+        "ratio": ratio,
+    }
+
+
+def recorded_sends(hook, *args) -> tuple[list, object, str | None]:
+    """Call hook(*args) and wait for its Future, noting what it all-gathers: ([(dtype, bytes) sent], the Future's
+    value or None, the error it raised or None)."""
+    sent, real = [], dist.all_gather_single
+
+    def gather(output, tensor, *rest, **kwargs):
+        sent.append((str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size()))
+        return real(output, tensor, *rest, **kwargs)
+
+    dist.all_gather_single = gather
+    try:
+        return sent, hook(*args).wait(), None
+    except Exception as error:  # noqa: BLE001 - reported with what was sent before it
+        return sent, None, describe(error)
+    finally:
+        dist.all_gather_single = real
 
 
 def check_quantize(lesson, rank, n) -> dict:
@@ -112,18 +145,44 @@ def check_quantize(lesson, rank, n) -> dict:
     for bits in lesson.BITS:
         state = lesson.QuantizeState(bits, seed=100 + rank, device=torch.device("cpu"))
         before = state.generator.get_state()
-        bucket = FakeBucket(gradient.clone())
-        decoded = lesson.quantize_hook(state, bucket).wait()
+        sent, decoded, error = recorded_sends(lesson.quantize_hook, state, FakeBucket(gradient.clone()))
         # The reference: this rank's own codes (the same draws), dequantized with its own scale, averaged by a
-        # plain all-gather of floats.
+        # plain all-gather of floats. (Computed even when the hook raised: every rank makes the same collectives.)
         replay = torch.Generator().set_state(before)
-        mine = lesson.dequantize(*lesson.quantize(gradient.clone(), bits, replay)).float()
-        everyone = [torch.empty_like(mine) for _ in range(n)]
+        codes, scale = lesson.quantize(gradient.clone(), bits, replay)
+        mine = lesson.dequantize(codes, scale).float()
+        everyone, scales = [torch.empty_like(mine) for _ in range(n)], [torch.empty(1) for _ in range(n)]
         dist.all_gather(everyone, mine)
-        expected = torch.stack(everyone).mean(0)
-        difference = float((decoded.float() - expected).abs().max())
-        results[str(bits)] = {"difference": difference, "size": float(expected.abs().max())}
+        dist.all_gather(scales, scale.float().reshape(1))
+        result = results[str(bits)] = {"numel": gradient.numel(), "sent": sent, "error": error, "first": None}
+        if error is not None:
+            continue
+        rows = torch.stack(everyone)
+        expected = rows.mean(0)
+        size = float(expected.abs().max())
+        wrong = ~((decoded.float() - expected).abs() <= 1e-6 * size)  # nan counts as wrong
+        first = int(wrong.nonzero()[0, 0]) if wrong.any() else None
+        # What known mistakes decode: each mistake's average, for the test to name the one the hook's result matches.
+        as_if = {
+            "every row were decoded with rank 0's scale": (rows / torch.cat(scales)[:, None] * scales[0]).mean(0),
+            "the rows were summed, not averaged": rows.sum(0),
+        }
+        result["first"] = None if first is None else [first, float(decoded[first]), float(expected[first])]
+        result["as_if"] = [name for name, mistaken in as_if.items() if not torch.allclose(mistaken, expected)
+                           and float((decoded - mistaken).abs().max()) <= 1e-6 * size]  # fmt: skip
     return results
+
+
+def check_average(lesson, rank, n) -> dict:
+    """TODO 5: rank r's parameters are (r + 1) x [1, 2, 3, ...], so their mean over the ranks is known: what this
+    rank holds after average_parameters, what it should hold, and what it held before."""
+    module = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        base = torch.arange(1.0, 1 + sum(p.numel() for p in module.parameters()))
+        torch.nn.utils.vector_to_parameters(base * (rank + 1), module.parameters())
+    lesson.average_parameters(module)
+    got = torch.nn.utils.parameters_to_vector(module.parameters()).detach()
+    return {"got": got.tolist(), "want": (base * (n + 1) / 2).tolist(), "own": (base * (rank + 1)).tolist(), "n": n}
 
 
 def check_hook_returns_at_once(lesson, rank, n) -> dict:
@@ -134,10 +193,19 @@ def check_hook_returns_at_once(lesson, rank, n) -> dict:
         time.sleep(LATE_S)
     future = lesson.allreduce_hook(None, FakeBucket(gradient.clone()))
     done_on_return = future.done()
-    average = future.wait()
-    average = average[0] if isinstance(average, list) else average
+    value = future.wait()
+    # DDP needs the one tensor; a list of tensors is noted (for the test to name) and its first tensor judged.
+    returned = "a tensor" if torch.is_tensor(value) else f"a {type(value).__name__} of {len(value)} tensor(s)"
+    average = value if torch.is_tensor(value) else value[0]
     expected = torch.arange(8.0) * sum(range(1, n + 1)) / n
-    return {"done_on_return": done_on_return, "difference": float((average - expected).abs().max())}
+    return {
+        "done_on_return": done_on_return,
+        "difference": float((average - expected).abs().max()),
+        "returned": returned,
+        "got": average.tolist(),
+        "want": expected.tolist(),
+        "n": n,
+    }
 
 
 LATE_S = 3.0
@@ -207,6 +275,7 @@ CHECKS = {
     "hook_at_once": check_hook_returns_at_once,
     "topk_buckets": check_topk_buckets,
     "quantize": check_quantize,
+    "average": check_average,
     "topk_resume": check_topk_resume,
 }
 
