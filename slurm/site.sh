@@ -33,6 +33,15 @@ site_environment() {
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     # --watch writes each rank's samples here (one folder per job), for the job report at the end.
     export COURSE_MONITOR_DIR="${COURSE_MONITOR_DIR:-$root/runs/monitor/${SLURM_JOB_NAME:-job}-${SLURM_JOB_ID:-0}}"
+    # A job that hangs or crashes in a collective (python -m utils.stacks JOBID shows where each rank waits):
+    # uncomment to have every collective's op and shapes compared between the ranks first, so a mismatch fails at
+    # once on every rank, naming both. It adds a check to every collective: for debugging runs, not for timing.
+    # export TORCH_DISTRIBUTED_DEBUG=DETAIL
+    # NCCL's flight recorder: each rank keeps its last 2000 collectives and writes them to a file when one times out;
+    # `torchfrtrace runs/fr/<job id> -p rank_` then names the collective where the ranks part ways. On gloo nothing
+    # is written (utils/stacks.py says what gloo records).
+    # mkdir -p "$root/runs/fr/${SLURM_JOB_ID:-0}"
+    # export TORCH_FR_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE="$root/runs/fr/${SLURM_JOB_ID:-0}/rank_"
 }
 
 # --- the job report, at the end of every job: how busy each device and process was (python -m utils.monitor),

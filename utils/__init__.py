@@ -13,6 +13,7 @@ What several lessons share, and a learner reads (the top of utils/):
 - published_runs.py: published training runs beside the planner's prediction, with the error.
 - measure_at_scale.py: the planner's memory against what PyTorch allocates for a 70B-like model, under a fake group.
 - monitor.py: --watch, how busy each device and process is while a job runs, and the job report read from it.
+- stacks.py: every rank's Python stack of a hung job (py-spy), and which ranks wait somewhere else.
 - report.py: the scaling report (tokens/s, speed-up, efficiency) from a folder of metrics files.
 
 What one lesson uses, in utils/lesson_NN/ (each package's __init__ lists its modules): its options and checks,
