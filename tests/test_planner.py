@@ -3,7 +3,9 @@ gradient accumulation, interleaved and uneven pipelines, the memory reserve, GPU
 layouts it refuses and why; the command line, including what it says when nothing runs. The published runs it
 reproduces are tests/test_published_runs.py's, the real-size shards tests/test_measure_at_scale.py's."""
 
+import contextlib
 import dataclasses
+import io
 import math
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from utils.planner import (
     all_gather_seconds,
     all_reduce_seconds,
     all_to_all_seconds,
+    bubble_by_microbatches,
     bubble_fraction,
     check_layout,
     evaluate,
@@ -42,6 +45,8 @@ from utils.planner import (
     stage_model_state,
     stage_params,
 )
+from utils.planner.cli import bubble_lines
+from utils.planner.cli import main as planner_main
 
 # The issue's example: a Llama-3-70B-shaped model on 8 nodes of 8 H100s.
 LLAMA70 = Model(params=70e9, layers=80, hidden=8192, heads=64, vocab=128256, seq_len=4096)
@@ -354,12 +359,13 @@ def test_compute_time_is_flops_at_the_matmul_efficiency_plus_memory_bound_kernel
 
 
 def test_zero_under_gradient_accumulation_as_torch_runs_it():
-    """With pp > 1, ZeRO-2/3 are refused (torch's pipelining keeps full gradients until the last micro-batch, and
-    parameters gathered: what ZeRO-1 holds). With pp = 1, FSDP2 reduce-scatters every micro-batch (ZeRO-2: m + 1
-    transfers of the parameters a step) and ZeRO-3 also gathers every block twice a micro-batch (3m)."""
+    """With pp > 1 and torch's pipelining, ZeRO-2/3 are refused (PipelineStage keeps full gradients until the last
+    micro-batch, and parameters gathered: what ZeRO-1 holds). With pp = 1, FSDP2 reduce-scatters every micro-batch
+    (ZeRO-2: m + 1 transfers of the parameters a step) and ZeRO-3 also gathers every block twice a micro-batch (3m)."""
     for zero in (2, 3):
         reason = check_layout(LLAMA70, H100x64, Layout(8, 2, 4, 1, 128, zero=zero), 1024)
-        assert reason.startswith(f"ZeRO-{zero} under a pipeline holds what ZeRO-1 holds"), reason
+        assert reason.startswith(f"ZeRO-{zero} under torch's pipeline holds what ZeRO-1 holds"), reason
+        assert "PipelineStage" in reason and "framework megatron" in reason  # whose property, and the way out
     model = Model(params=8e9, layers=32, hidden=4096, heads=32, vocab=128256, seq_len=4096)
     cluster = Cluster(gpus=8, gpus_per_node=4)  # dp crosses the node: the slow link
     grads = 4 * 8e9  # fp32 gradients of the whole model (tp = pp = 1), as bf16 training reduces them
@@ -422,7 +428,8 @@ def test_groups_inside_a_node():
         (Layout(8, 8, 1, 1, 128, recompute="half"), 64, "unknown recomputation"),
         (Layout(16, 1, 3, 1, 64), 48, None),  # 80 layers over 3 stages: 27, 27, 26
         (Layout(8, 2, 4, 1, 128, virtual_stages=2), 64, None),
-        (Layout(8, 2, 4, 1, 126, virtual_stages=2), 64, "interleaving needs micro-batches in multiples of pp"),
+        (Layout(8, 2, 4, 1, 126, virtual_stages=2), 64, "torch's interleaving needs micro-batches in multiples of its"),
+        (Layout(8, 2, 4, 1, 126, virtual_stages=2, framework="megatron"), 64, "Megatron-LM's interleaving needs"),
         (Layout(64, 1, 1, 1, 16, virtual_stages=2), 64, "virtual stages without a pipeline"),
         (Layout(1, 1, 64, 1, 1024, zero=0, virtual_stages=2), 64, "more pipeline chunks than layers"),
     ],
@@ -458,7 +465,7 @@ def test_context_parallelism_divides_activations_and_adds_the_rings_traffic():
     assert activation_bytes(LLAMA70, layout) == activation_bytes(half, Layout(4, 8, 1, 1, 256, zero=1))
     s, h, t = 4096, 8192, 8
     step_bytes = 2 * 2 * s / 2 * h / t
-    rate = 989e12 * MATMUL_EFFICIENCY * 0.47  # a fused attention kernel on an H100 (HARDWARE's attention_speed)
+    rate = 989e12 * MATMUL_EFFICIENCY * 0.47  # FlashAttention-2 on an H100 (hardware.ATTENTION_SPEED)
     attention_step = 4 * s * h / 2 * (s / 2) / t / rate / 2  # causal, forward, one chunk
     inside = predict(LLAMA70, H100x64, layout)  # tp 8 x cp 2 = 16 ranks: the cp pairs are 8 apart, across nodes
     transfer = 10e-6 + step_bytes / 50e9
@@ -675,7 +682,7 @@ def test_terms_a_plausible_slip_would_change():
     assert check_layout(odd, H100x64, Layout(16, 4, 1, 1, 64), 1024).startswith("sequence not divisible by tp")
     layout = Layout(8, 8, 1, 1, 16, zero=1, recompute="none")
     slow = predict(Model(8e9, 32, 4096, 32, 128256, 131072), Cluster(gpus=64), layout)
-    fast = predict(Model(8e9, 32, 4096, 32, 128256, 131072), Cluster(gpus=64, attention_speed=1.0), layout)
+    fast = predict(Model(8e9, 32, 4096, 32, 128256, 131072), Cluster(gpus=64, attention_speeds=(("fa2", 1.0),)), layout)
     assert slow.compute_s > 1.3 * fast.compute_s  # at 128K tokens attention is most of the work
 
 
@@ -833,3 +840,94 @@ def test_mfu_in_both_conventions():
         whole = model_flops_per_token(model, whole_attention=True) / model_flops_per_token(model)
         assert pred.mfu_whole == pytest.approx(pred.mfu * whole)
     assert whole > 1.5  # at 128K tokens
+
+
+def test_zero_2_3_under_a_pipeline_is_a_framework_choice_priced_per_micro_batch():
+    """Framework megatron (the Megatron-like stacks of the published runs, Llama 3's among them) shards gradients under
+    a pipeline: the layout runs, its gradients are sharded (less memory than ZeRO-1), and it pays one reduce-scatter of
+    the stage's gradients a micro-batch, m + 1 transfers a step against ZeRO-1's 2, each past its own backward."""
+    megatron = dict(framework="megatron", recompute="full")
+    zero1, zero2 = (evaluate(LLAMA70, H100x64, Layout(8, 2, 4, 1, 128, zero=z, **megatron), 1024) for z in (1, 2))
+    assert zero2.fits and zero2.model_state["grads"] == pytest.approx(zero1.model_state["grads"] / 8)
+    assert zero2.dp_s == pytest.approx(zero1.dp_s * (128 + 1) / 2)
+    assert zero2.step_s > zero1.step_s  # the traffic is priced, not free
+    fewer = predict(LLAMA70, H100x64, Layout(8, 2, 4, 4, 32, zero=2, **megatron))
+    assert fewer.dp_s == pytest.approx(zero1.dp_s * (32 + 1) / 2)  # m, not the batch, sets the traffic
+    zero3 = evaluate(LLAMA70, H100x64, Layout(8, 2, 4, 1, 128, zero=3, **megatron), 1024)
+    assert zero3.reason is None or zero3.reason.startswith("does not fit")
+    assert zero3.dp_s == pytest.approx(zero1.dp_s * 3 * 128 / 2)
+
+
+def test_the_bubble_against_micro_batches_and_whose_rule_limits_them():
+    """No ceiling: the 1F1B bubble (p-1)/(m+p-1) shrinks as m grows, about half the step at m = p. Megatron-LM's
+    interleaving wants m a multiple of p; torch's a multiple of its rounds, m // p; the command line prints both rules
+    and Llama 3's free choice of m beside the bubble."""
+    table = bubble_by_microbatches(16)
+    assert [m for m, _ in table] == [16, 32, 64, 128, 256]
+    assert table[0][1] == pytest.approx(15 / 31) and 0.45 < table[0][1] < 0.5
+    assert all(later < earlier for (_, earlier), (_, later) in zip(table, table[1:]))
+    assert bubble_by_microbatches(16, v=4)[0][1] == pytest.approx(15 / 4 / (16 + 15 / 4))
+    for m in (24, 12):  # pp 8: 12 is one round (12 // 8) for torch, not a multiple of 8 for Megatron-LM
+        torch = check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, m, zero=0, virtual_stages=2), m)
+        megatron = check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, m, zero=0, virtual_stages=2,
+                                                         framework="megatron"), m)  # fmt: skip
+        assert torch is None, torch
+        assert (megatron is None) if m == 24 else megatron.startswith("Megatron-LM's interleaving"), (m, megatron)
+    assert check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, 9, zero=0, virtual_stages=2), 9) is None  # 1 round
+    odd = check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, 17, zero=0, virtual_stages=2), 17)  # 2 rounds of 8
+    assert odd.startswith("torch's interleaving"), odd
+    line = bubble_lines(16, 1)
+    assert "m=16: 48.4%" in line and "Megatron-LM needs m >= p" in line and "Llama 3 lets m be any number" in line
+    args = "--params 8e9 --layers 32 --hidden 4096 --heads 32 --vocab 128256 --seq-len 8192 --global-batch 256 "
+    args += "--gpus 64 --micro-batches 1 --bubble --attention-kernel fa3 --top 1"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert planner_main(args.split()) == 0
+    assert "framework torch, attention fa3" in out.getvalue().splitlines()[0]
+
+
+def test_grouped_query_attention_bounds_tp_by_the_kv_heads():
+    """Megatron-LM splits whole K/V heads over the TP group (tp must divide them): with 8 K/V heads, tp 8 runs and
+    tp 16 is refused, with the reason in the table."""
+    gqa = dataclasses.replace(LLAMA70, kv_heads=8)
+    wide = Cluster(gpus=128, gpus_per_node=16)
+    assert check_layout(gqa, wide, Layout(16, 8, 1, 1, 64), 1024) is None
+    reason = check_layout(gqa, wide, Layout(8, 16, 1, 1, 128), 1024)
+    assert reason.startswith("K/V heads not divisible by tp") and "8 K/V heads, tp=16" in reason, reason
+    assert check_layout(LLAMA70, wide, Layout(8, 16, 1, 1, 128), 1024) is None  # 64 K/V heads without GQA
+    refused = [pred for pred in plan(gqa, wide, 1024, micro_batches=(1,)) if pred.layout.tp == 16]
+    assert refused and all(pred.reason.startswith("K/V heads not divisible by tp") for pred in refused)
+
+
+# A Llama-3-70B-shaped model at 128K tokens on 8 nodes of H100s, 16 sequences a step.
+LLAMA70_128K = Model(70e9, 80, 8192, 64, 128256, 131072, kv_heads=8, gated_mlp=True, ffn_hidden=28672, dropout=False)
+
+
+def test_the_attention_kernel_is_a_stated_choice_that_moves_the_128k_ranking():
+    """FlashAttention-2 reaches about 35 % of an H100's peak, FlashAttention-3 75 % (Shah et al. 2024): at 128K tokens,
+    where the attention is most of the work, the kernel moves the first choice. With FA2's slow attention, each
+    micro-batch's compute hides ZeRO-3's parameter traffic over a 16-rank cp group, and tp 4 (half tp 8's collectives)
+    wins; FA3's shorter compute leaves that traffic exposed, and tp 8 with cp 8 (half the bytes a rank) wins. FA3 is
+    refused on an A100 (Hopper only)."""
+    cluster = Cluster.of("H100", 64)
+    first = {}
+    for kernel in ("fa2", "fa3"):
+        software = {"attention_kernel": kernel, "framework": "megatron"}
+        runnable = [pred for pred in plan(LLAMA70_128K, cluster, 16, micro_batches=(1,), cps=(1, 2, 4, 8, 16),
+                                          software=software) if pred.fits]  # fmt: skip
+        first[kernel] = runnable[0]
+    fa2, fa3 = first["fa2"], first["fa3"]
+    assert (fa2.layout.tp, fa2.layout.cp) == (4, 16), fa2.layout
+    assert (fa3.layout.tp, fa3.layout.cp) == (8, 8), fa3.layout
+    assert fa3.tokens_per_s > 1.4 * fa2.tokens_per_s, (fa2.tokens_per_s, fa3.tokens_per_s)
+    same = predict(LLAMA70_128K, cluster, dataclasses.replace(fa2.layout, attention_kernel="fa3"))
+    assert fa2.dp_exposed_s == 0 < same.dp_exposed_s  # FA2's choice under FA3: its ZeRO-3 traffic shows
+    assert same.compute_s < 0.7 * fa2.compute_s
+    a100 = Cluster.of("A100", 64)
+    reason = check_layout(LLAMA70_128K, a100, dataclasses.replace(fa3.layout, attention_kernel="fa3"), 16)
+    assert reason.startswith("attention kernel not on this GPU"), reason
+    assert check_layout(LLAMA70_128K, a100, dataclasses.replace(fa3.layout, fused_attention=False,
+                                                                attention_kernel="fa3"), 16) is None  # fmt: skip
+    assert Cluster.of("H100", 8).attention_flops("fa3") == pytest.approx(989e12 * MATMUL_EFFICIENCY)
+    with pytest.raises(ValueError, match="does not run on A100"):
+        a100.attention_flops("fa3")

@@ -23,8 +23,10 @@ as the source counts it:
   sequence parallelism (the table's two iteration times), which isolates the planner's recomputation physics from
   its matmul efficiency.
 - Llama 3 405B, Table 4: BF16 MFU (PaLM's count, 6N + 12 L s h per token: the attention whole, where the planner's
-  own MFU counts its causal half), fused attention, FSDP without resharding (the planner's ZeRO-1 under a pipeline),
-  the interleaved schedule, sequence parallelism as Megatron-LM runs it.
+  own MFU counts its causal half), fused attention (FlashAttention-2 assumed: the paper names no kernel, and
+  FlashAttention-3's rate would put the 128K row far above its MFU), FSDP without resharding (the planner's ZeRO-1
+  under a pipeline: ZeRO-2 with a reduce-scatter every micro-batch, which the planner offers for this framework,
+  would put the 8K rows far below theirs), the interleaved schedule, sequence parallelism as Megatron-LM runs it.
 - ZeRO, Figure 1: model-state bytes per GPU for 7.5B parameters over 64 ranks, mixed-precision Adam.
 - DeepSeek-V3: the layout beside the planner's ranking, without a number (the json's why_no_number).
 Beside each: the predicted memory per GPU (* where the planner refuses a layout its authors ran) and the rank of the
@@ -164,7 +166,8 @@ def variants(entry: dict, run: dict) -> list[Layout]:
     )
     recompute = [run["recompute"]] if run.get("recompute") else ("none", "selective", "full")
     fixed = dict(zero=run["zero"], sequence_parallel=run["sequence_parallel"], cp=entry.get("cp", 1),
-                 ep=entry.get("ep", 1), fused_attention=run["fused_attention"], framework=run["framework"])  # fmt: skip
+                 ep=entry.get("ep", 1), fused_attention=run["fused_attention"], framework=run["framework"],
+                 attention_kernel=run.get("attention_kernel", "fa2"))  # fmt: skip
     return [
         Layout(dp, entry["tp"], pp, b, batch // (dp * b), recompute=r, virtual_stages=v, **fixed)
         for b, v, r in itertools.product(micro, virtual, recompute)
@@ -213,7 +216,9 @@ def rank_of(entry: dict, run: dict, model: Model, cluster: Cluster) -> tuple[int
     cp, ep = entry.get("cp", 1), entry.get("ep", 1)
     ranked = plan(
         model, cluster, entry["global_batch"], MICRO_BATCHES, run["sequence_parallel"], powers_of_two_to(cp),
-        powers_of_two_to(ep), PLAN_VIRTUAL_STAGES, {"framework": run.get("framework", "torch")}, **state_of(run),
+        powers_of_two_to(ep), PLAN_VIRTUAL_STAGES,
+        {"framework": run.get("framework", "torch"), "attention_kernel": run.get("attention_kernel", "fa2")},
+        **state_of(run),
     )  # fmt: skip
     runnable = [pred for pred in ranked if pred.fits]
     dims = (entry["dp"], entry["tp"], entry["pp"], cp)
@@ -330,7 +335,8 @@ def figure(value: float | None, quantity: str) -> str:
 
 def software(layout: Layout) -> str:
     """The settings a Layout's str() does not show."""
-    return f"{'SP' if layout.sequence_parallel else 'no SP'}, {'fused' if layout.fused_attention else 'unfused'}"
+    kernel = layout.attention_kernel if layout.fused_attention else "unfused"
+    return f"{'SP' if layout.sequence_parallel else 'no SP'}, {kernel}"
 
 
 def table(rows: list[Row]) -> str:

@@ -15,7 +15,8 @@ runs, it names the reasons that refused the most layouts and a change that would
 Each term of the physics is in the module its name says (s sequence, b micro-batch, h width, a heads, L layers,
 V vocabulary, N parameters, t = tp, p = pp, v virtual stages, m micro-batches per step per replica):
 - model.py: Model (the transformer's sizes) and Layout (how it runs);
-- hardware.py: GPU presets, Cluster (nodes, links, the matmul efficiency) and the memory reserve;
+- hardware.py: GPU presets, Cluster (nodes, links, the matmul efficiency, the attention kernels' rates) and the
+  memory reserve;
 - memory.py: model state (ZeRO) and activations (Korthikanti et al. 2022) per GPU, stage by stage;
 - timing.py: FLOPs, the kernels of a micro-batch, the alpha-beta collectives, ring attention and the all-to-alls;
 - predict.py: one layout's memory and step time, every term added up (Prediction);
@@ -28,6 +29,7 @@ evenly over the experts), the optimizer step's own time, data loading, straggler
 """
 
 from utils.planner.hardware import (
+    ATTENTION_SPEED,
     HARDWARE,
     MATMUL_EFFICIENCY,
     RESERVE_FIXED,
@@ -48,7 +50,7 @@ from utils.planner.memory import (
     stage_model_state,
     stage_params,
 )
-from utils.planner.model import EP_OVERLAP, FRAMEWORKS, RECOMPUTE, Layout, Model
+from utils.planner.model import ATTENTION_KERNELS, EP_OVERLAP, FRAMEWORKS, RECOMPUTE, Layout, Model
 from utils.planner.predict import Prediction, predict
 from utils.planner.search import (
     check_layout,
@@ -65,6 +67,8 @@ from utils.planner.timing import (
     all_reduce_seconds,
     all_to_all_seconds,
     attention_flops,
+    attention_kernel,
+    bubble_by_microbatches,
     bubble_fraction,
     gemm_slowdown,
     layer_gemms,
@@ -74,12 +78,12 @@ from utils.planner.timing import (
 )
 
 __all__ = [
-    "EP_OVERLAP", "FRAMEWORKS", "HARDWARE", "MATMUL_EFFICIENCY", "RECOMPUTE", "RESERVE_FIXED", "RESERVE_FRACTION",
-    "activation_bytes", "activation_bytes_per_layer", "all_gather_seconds", "all_reduce_seconds",
-    "all_to_all_seconds", "attention_flops", "bubble_fraction", "check_layout", "Cluster", "enumerate_layouts",
-    "evaluate", "gemm_slowdown", "in_flight", "inside_one_node", "layer_gemms", "layers_of_stage", "Layout", "Model",
-    "model_flops_per_token", "omitted_activation_bytes", "plan", "planned_stage_layers", "predict", "Prediction",
-    "rank_model_state", "rank_parameter_shapes", "rejection_summary", "ring_attention_seconds",
-    "stage_activation_bytes", "stage_model_state", "stage_params", "stage_work", "StageWork", "table",
-    "what_would_run",
+    "ATTENTION_KERNELS", "ATTENTION_SPEED", "EP_OVERLAP", "FRAMEWORKS", "HARDWARE", "MATMUL_EFFICIENCY", "RECOMPUTE",
+    "RESERVE_FIXED", "RESERVE_FRACTION", "activation_bytes", "activation_bytes_per_layer", "all_gather_seconds",
+    "all_reduce_seconds", "all_to_all_seconds", "attention_flops", "attention_kernel", "bubble_by_microbatches",
+    "bubble_fraction", "check_layout", "Cluster", "enumerate_layouts", "evaluate", "gemm_slowdown", "in_flight",
+    "inside_one_node", "layer_gemms", "layers_of_stage", "Layout", "Model", "model_flops_per_token",
+    "omitted_activation_bytes", "plan", "planned_stage_layers", "predict", "Prediction", "rank_model_state",
+    "rank_parameter_shapes", "rejection_summary", "ring_attention_seconds", "stage_activation_bytes",
+    "stage_model_state", "stage_params", "stage_work", "StageWork", "table", "what_would_run",
 ]  # fmt: skip

@@ -5,8 +5,9 @@ import argparse
 
 from utils.memory import OPTIMIZER_STATE, PRECISIONS, human
 from utils.planner.hardware import HARDWARE, Cluster
-from utils.planner.model import EP_OVERLAP, FRAMEWORKS, Model
+from utils.planner.model import ATTENTION_KERNELS, EP_OVERLAP, FRAMEWORKS, Model
 from utils.planner.search import plan, rejection_summary, table, what_would_run
+from utils.planner.timing import bubble_by_microbatches
 
 
 def parse_size(text: str) -> float:
@@ -59,8 +60,18 @@ def parser() -> argparse.ArgumentParser:
         "fp16)")  # fmt: skip
     add("--optimizer", choices=sorted(OPTIMIZER_STATE), default="adam")
     add("--framework", choices=FRAMEWORKS, default="torch",
-        help="whose sequence parallelism and selective recomputation (activations kept): torch's DTensor and "
-        "checkpoint policy (default) or Megatron-LM's")  # fmt: skip
+        help="whose sequence parallelism, selective recomputation and pipeline rules: torch's (default: DTensor, its "
+        "checkpoint policy, PipelineStage, which keeps ZeRO-2/3 from sharding gradients under a pipeline) or "
+        "Megatron-LM's (as the published runs used; ZeRO-2/3 under a pipeline reduce-scatter every micro-batch, as "
+        "Llama 3)")  # fmt: skip
+    add("--attention-kernel", choices=ATTENTION_KERNELS, default="fa2",
+        help="the fused attention kernel: fa2, FlashAttention-2 (default; 35%% of an H100's peak) or fa3, "
+        "FlashAttention-3 (75%%, Hopper only), from Shah et al. 2024 (arXiv:2407.08608)")  # fmt: skip
+    add(
+        "--bubble",
+        action="store_true",
+        help="print the 1F1B bubble of the first layout's pipeline against m = p, 2p, 4p... micro-batches",
+    )
     add("--ep-overlap", choices=EP_OVERLAP, default="none",
         help="what hides the MoE all-to-alls: none (default) or another micro-batch's compute (as DualPipe "
         "does)")  # fmt: skip
@@ -126,10 +137,21 @@ def configure(args: argparse.Namespace, parser: argparse.ArgumentParser):
     cluster = Cluster.of(args.gpu, args.gpus, args.gpus_per_node, **overrides)
     state = {"precision": args.precision, "optimizer": args.optimizer}
     # Every layout gets the software's choices, and so does every alternative what_would_run tries.
-    software = dict(framework=args.framework, ep_overlap=args.ep_overlap, fused_attention=not args.unfused_attention)
+    software = dict(framework=args.framework, ep_overlap=args.ep_overlap, fused_attention=not args.unfused_attention,
+                    attention_kernel=args.attention_kernel)  # fmt: skip
     options = dict(micro_batches=micro_batches, sequence_parallel=not args.no_sequence_parallel, cps=cps, eps=eps,
                    virtual_stages=vs, software=software)  # fmt: skip
     return model, cluster, options, state
+
+
+def bubble_lines(p: int, v: int) -> str:
+    """The bubble against the micro-batches a step, and whose rule limits them."""
+    cells = ", ".join(f"m={m}: {bubble:.1%}" for m, bubble in bubble_by_microbatches(p, v))
+    return (
+        f"1F1B bubble at pp={p}{f' v={v}' if v > 1 else ''} against micro-batches a step: {cells}. Megatron-LM "
+        "needs m >= p (a multiple of p interleaved), torch's interleaved schedule a multiple of m // p; Llama 3 lets "
+        "m be any number (section 3.3.2): a smaller bubble costs a larger batch or a smaller micro-batch"
+    )
 
 
 def main(argv=None) -> int:
@@ -141,10 +163,14 @@ def main(argv=None) -> int:
     print(
         f"{args.params:.3g} parameters, {args.gpus} x {cluster.name} ({args.gpus_per_node} per node, "
         f"{human(cluster.usable_memory)} usable of {human(cluster.memory)}), global batch {args.global_batch} x "
-        f"{args.seq_len} tokens, {args.precision} {args.optimizer}: {len(runnable)} of {len(predictions)} layouts run"
+        f"{args.seq_len} tokens, {args.precision} {args.optimizer}, framework {args.framework}, attention "
+        f"{'unfused' if args.unfused_attention else args.attention_kernel}: {len(runnable)} of {len(predictions)} "
+        "layouts run"
     )
     print(table(predictions if args.all else runnable[: args.top]))
     print(f"refused ({len(predictions) - len(runnable)}):\n{rejection_summary(predictions)}")
+    if args.bubble and runnable and runnable[0].layout.pp > 1:
+        print(bubble_lines(runnable[0].layout.pp, runnable[0].layout.virtual_stages))
     if not runnable:
         print("no layout runs. What would:\n" + what_would_run(model, cluster, args.global_batch, predictions,
                                                                **options, **state))  # fmt: skip

@@ -21,26 +21,43 @@ RESERVE_FRACTION = 0.05
 # reaches more on large shapes (about 80 % of an A100's peak); the difference is what the planner does not model:
 # the optimizer step, data loading, launch gaps, clocks under power limits.
 MATMUL_EFFICIENCY = 0.6
-# A fused attention kernel runs its FLOPs slower than a large matmul: FlashAttention-2 reaches 50-73 % of an A100's
-# peak forward and less backward (Dao 2023, arXiv:2307.08691), and only about 35 % of an H100's (Shah et al. 2024,
-# FlashAttention-3, arXiv:2407.08608), where cuBLAS reaches about 80 % and 75 %. attention_speed is that ratio: the
-# fused kernel's FLOP rate as a share of the matmuls'. An unfused attention runs as batched matmuls, at their rate.
+# A fused attention kernel runs its FLOPs at its own rate, and which kernel runs is a choice (Layout.attention_kernel).
+# ATTENTION_SPEED is each kernel's FLOP rate as a share of cuBLAS's large matmuls on the same GPU (about 80 % of an
+# A100's peak, 75 % of an H100's), so that the planner's in-loop matmul efficiency scales both alike:
+# - fa2, FlashAttention-2: 50-73 % of an A100's peak forward, less backward (Dao 2023, arXiv:2307.08691): about
+#   60 % / 80 % = 0.75; only about 35 % of an H100's (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608,
+#   section 1): 35 % / 75 % = 0.47. The planner's default, and what utils/published_runs.py assumes for Llama 3.
+# - fa3, FlashAttention-3 (the same paper): up to 740 TFLOP/s in bf16 forward on an H100, 75 % of its peak: as fast
+#   as cuBLAS (1.0). Hopper only (it uses the H100's asynchronous copies and warpgroup matmuls). The headline is the
+#   forward's at its best head size; its backward is slower, so 1.0 is the kernel's ceiling, not its average.
+# cuDNN's fused attention is left out: no figure of NVIDIA's for bf16 training on an H100 was found to cite.
+ATTENTION_SPEED = {
+    "fa2": {"A100": 0.75, "H100": 0.47, "H200": 0.47, "H800": 0.47},
+    "fa3": {"H100": 1.0, "H200": 1.0, "H800": 1.0},
+}
+
+
+def kernel_speeds(gpu: str) -> tuple[tuple[str, float], ...]:
+    """(kernel, speed) for every kernel that runs on this GPU preset."""
+    return tuple((kernel, speeds[gpu]) for kernel, speeds in ATTENTION_SPEED.items() if gpu in speeds)
+
+
 HARDWARE = {
     "A100": dict(
         name="A100 SXM 80GB", memory=80e9, peak_flops=312e12, hbm_bandwidth=2.0e12, intra_bandwidth=300e9,
-        inter_bandwidth=25e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speed=0.75,
+        inter_bandwidth=25e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speeds=kernel_speeds("A100"),
     ),  # NVLink 3: 600 GB/s in all; one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100, Selene)
     "H100": dict(
         name="H100 SXM 80GB", memory=80e9, peak_flops=989e12, hbm_bandwidth=3.35e12, intra_bandwidth=450e9,
-        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speed=0.47,
+        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speeds=kernel_speeds("H100"),
     ),  # NVLink 4: 900 GB/s in all; one 400 Gb/s NDR InfiniBand (or RoCE) NIC per GPU
     "H200": dict(
         name="H200 SXM 141GB", memory=141e9, peak_flops=989e12, hbm_bandwidth=4.8e12, intra_bandwidth=450e9,
-        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speed=0.47,
+        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speeds=kernel_speeds("H200"),
     ),  # the H100's compute and links, more and faster memory
     "H800": dict(
         name="H800 SXM 80GB", memory=80e9, peak_flops=989e12, hbm_bandwidth=3.35e12, intra_bandwidth=200e9,
-        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speed=0.47,
+        inter_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY, attention_speeds=kernel_speeds("H800"),
     ),  # NVLink 400 GB/s in all; 400 Gb/s InfiniBand per GPU
 }  # fmt: skip
 
@@ -60,7 +77,7 @@ class Cluster:
     inter_latency: float = 10e-6  # seconds per message between nodes
     matmul_efficiency: float = MATMUL_EFFICIENCY  # share of peak the matmuls reach in a training loop
     hbm_bandwidth: float = 3.35e12  # bytes/s of the GPU's own memory
-    attention_speed: float = 0.47  # a fused attention kernel's FLOP rate as a share of the matmuls'
+    attention_speeds: tuple = kernel_speeds("H100")  # (kernel, its FLOP rate as a share of the matmuls')
     name: str = "H100 SXM 80GB"
 
     @classmethod
@@ -87,9 +104,15 @@ class Cluster:
         streams its weights instead of computing. The backward's two products have the same three dimensions."""
         return max(2 * m * k * n / self.matmul_flops, 2 * (m * k + k * n + m * n) / self.hbm_bandwidth)
 
-    def attention_flops(self, fused: bool) -> float:
-        """FLOP/s of the attention's scores and their product with V: a fused kernel's, or batched matmuls'."""
-        return self.matmul_flops * (self.attention_speed if fused else 1.0)
+    def attention_flops(self, kernel: str | None) -> float:
+        """FLOP/s of the attention's scores and their product with V: the fused kernel's (ATTENTION_SPEED), or
+        batched matmuls' (kernel None: unfused)."""
+        if kernel is None:
+            return self.matmul_flops
+        speeds = dict(self.attention_speeds)
+        if kernel not in speeds:
+            raise ValueError(f"attention kernel {kernel!r} does not run on {self.name}: one of {', '.join(speeds)}")
+        return self.matmul_flops * speeds[kernel]
 
     def link(self, inside_node: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the link a group uses: the slow one as soon as it leaves a node."""

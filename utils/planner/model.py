@@ -4,8 +4,13 @@
 from dataclasses import dataclass
 
 RECOMPUTE = ("none", "selective", "full")
-# Whose sequence parallelism and selective recomputation (utils.planner.memory.activation_bytes_per_layer).
+# Whose sequence parallelism and selective recomputation (utils.planner.memory.activation_bytes_per_layer), and what
+# its pipeline allows (utils.planner.search.check_layout): torch's PipelineStage defers FSDP's reduce-scatter to the
+# last micro-batch, so ZeRO-2/3 under it hold what ZeRO-1 holds; "megatron" stands for the Megatron-like stacks of the
+# published runs, Llama 3's among them, which shard gradients under a pipeline (one reduce-scatter a micro-batch).
 FRAMEWORKS = ("torch", "megatron")
+# The fused attention kernel (utils.planner.hardware.ATTENTION_PEAK_FRACTION: the share of peak each one reaches).
+ATTENTION_KERNELS = ("fa2", "fa3")
 # What hides the MoE all-to-alls (utils.planner.timing.all_to_all_seconds): nothing, or another micro-batch's compute.
 EP_OVERLAP = ("none", "compute")
 
@@ -90,6 +95,7 @@ class Layout:
     fused_attention: bool = True  # a fused attention kernel (no stored scores); False: the s x s scores are kept
     framework: str = "torch"  # whose sequence parallelism and selective recomputation: torch or megatron
     ep_overlap: str = "none"  # what hides the MoE all-to-alls: none, or another micro-batch's compute (DualPipe)
+    attention_kernel: str = "fa2"  # which fused kernel: FlashAttention-2 (fa2) or -3 (fa3, Hopper GPUs only)
 
     @property
     def gpus(self) -> int:

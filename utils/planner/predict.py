@@ -14,7 +14,8 @@ its compute and every dimension's communication added up as far as they do not o
   last micro-batch's backward, the parameter all-gather behind the next step's first forward; what exceeds them
   shows. ZeRO under gradient accumulation, as torch runs it: with pp = 1 FSDP2 reduce-scatters every micro-batch
   (ZeRO-2/3) and ZeRO-3 gathers every block twice a micro-batch: m times the traffic of one, each micro-batch's
-  collectives overlapping its own compute (with pp > 1 search.check_layout refuses ZeRO-2/3).
+  collectives overlapping its own compute. Under a pipeline the same: one reduce-scatter a micro-batch, as Llama 3
+  shards gradients (section 3.3.2), where the framework allows it (search.py says which do).
 - buffers: ZeRO-3's gathered parameters and their unsharded gradients (the block in use and the prefetched one),
   ZeRO-2's bucket of one layer's gradients.
 Ranks are ordered tp, cp, dp, pp, innermost first (Megatron-LM's order): each group's link follows from it.

@@ -2,10 +2,16 @@
 work (enumerate_layouts), their ranking (plan), the table and the refusals counted by reason, and when nothing runs,
 the one change that would admit a layout (what_would_run).
 
-ZeRO under gradient accumulation, as torch runs it: with pp > 1 torch's pipelining defers the gradient reduce-scatter
-to the last micro-batch, so full gradients are held across micro-batches, and torchtitan keeps the parameters gathered
-(reshard_after_forward = not pp): ZeRO-2/3 would hold what ZeRO-1 holds, so check_layout refuses them with that reason
-(DeepSpeed refuses them too); FSDP under a pipeline is ZeRO-1 here.
+ZeRO-2/3 under a pipeline depends on the framework (Layout.framework), not on the physics:
+- torch: torch.distributed.pipelining's PipelineStage turns off FSDP's gradient sync and resharding until the last
+  micro-batch's backward, so full gradients are held across micro-batches (and torchtitan keeps the parameters
+  gathered under PP: reshard_after_forward = not pp): ZeRO-2/3 would hold what ZeRO-1 holds, and check_layout refuses
+  them with that reason. DeepSpeed's pipeline engine refuses ZeRO-2/3 outright.
+- megatron (the Megatron-like stacks of the published runs): Llama 3 shards gradients under its pipeline (section
+  3.3.2), one reduce-scatter of the stage's gradients a micro-batch, m times the traffic of one, which predict prices
+  as it prices ZeRO-2/3 under gradient accumulation at pp = 1. (Megatron-LM's own distributed optimizer is ZeRO-1.)
+The interleaved schedule's micro-batch rule is a framework's too: Megatron-LM needs m a multiple of p; torch's
+ScheduleInterleaved1F1B only m a multiple of its rounds, m // p (timing.bubble_by_microbatches: the bubble against m).
 """
 
 import itertools
@@ -14,7 +20,7 @@ from dataclasses import replace
 
 from utils.memory import human
 from utils.planner.hardware import Cluster, inside_one_node
-from utils.planner.model import EP_OVERLAP, FRAMEWORKS, RECOMPUTE, Layout, Model
+from utils.planner.model import ATTENTION_KERNELS, EP_OVERLAP, FRAMEWORKS, RECOMPUTE, Layout, Model
 from utils.planner.predict import Prediction, predict
 
 
@@ -25,6 +31,9 @@ def check_layout(model: Model, cluster: Cluster, layout: Layout, global_batch: i
         return f"cp x dp x tp x pp is not the GPU count ({layout.gpus} != {cluster.gpus})"
     if model.heads % tp:
         return f"heads not divisible by tp ({model.heads} heads, tp={tp})"
+    kv_heads = model.kv_heads or model.heads
+    if kv_heads % tp:  # Megatron-LM splits whole K/V heads (query groups) over the TP group; it does not copy them
+        return f"K/V heads not divisible by tp ({kv_heads} K/V heads, tp={tp}: Megatron-LM needs tp to divide them)"
     if not inside_one_node(1, tp, cluster.gpus_per_node):
         return f"TP group crosses a node (tp={tp}, {cluster.gpus_per_node} GPUs per node)"
     if cp > 1 and model.seq_len % (2 * cp):
@@ -43,16 +52,22 @@ def check_layout(model: Model, cluster: Cluster, layout: Layout, global_batch: i
         return f"virtual stages without a pipeline (v={v}, pp=1)"
     if v > 1 and math.ceil(model.layers / pp) % v:
         return f"stages do not split into v chunks ({math.ceil(model.layers / pp)} layers a stage, v={v})"
-    if v > 1 and layout.microbatches % pp:
-        return f"interleaving needs micro-batches in multiples of pp (m={layout.microbatches}, pp={pp})"
+    if v > 1 and layout.framework == "megatron" and layout.microbatches % pp:
+        return f"Megatron-LM's interleaving needs micro-batches in multiples of pp (m={layout.microbatches}, pp={pp})"
+    rounds = max(1, layout.microbatches // pp)
+    if v > 1 and layout.framework == "torch" and layout.microbatches % rounds:
+        return (
+            f"torch's interleaving needs micro-batches in multiples of its rounds (m={layout.microbatches}, "
+            f"{rounds} rounds of pp={pp})"
+        )
     if dp * layout.micro_batch * layout.microbatches != global_batch:
         return f"batch does not split ({global_batch} sequences over dp={dp} x micro-batch {layout.micro_batch})"
     if dp * cp == 1 and layout.zero > 0:
         return f"ZeRO shards nothing at dp=1 (ZeRO-{layout.zero} is ZeRO-0)"
-    if pp > 1 and layout.zero >= 2:
+    if pp > 1 and layout.zero >= 2 and layout.framework == "torch":
         return (
-            f"ZeRO-{layout.zero} under a pipeline holds what ZeRO-1 holds (pp={pp}: full gradients kept until the "
-            "last micro-batch; use ZeRO-1)"
+            f"ZeRO-{layout.zero} under torch's pipeline holds what ZeRO-1 holds (pp={pp}: PipelineStage keeps full "
+            "gradients until the last micro-batch; use ZeRO-1, or framework megatron: a reduce-scatter a micro-batch)"
         )
     if layout.recompute not in RECOMPUTE:
         return f"unknown recomputation ({layout.recompute!r}, not one of {RECOMPUTE})"
@@ -60,6 +75,10 @@ def check_layout(model: Model, cluster: Cluster, layout: Layout, global_batch: i
         return f"unknown framework ({layout.framework!r}, not one of {FRAMEWORKS})"
     if layout.ep_overlap not in EP_OVERLAP:
         return f"unknown all-to-all overlap ({layout.ep_overlap!r}, not one of {EP_OVERLAP})"
+    if layout.attention_kernel not in ATTENTION_KERNELS:
+        return f"unknown attention kernel ({layout.attention_kernel!r}, not one of {ATTENTION_KERNELS})"
+    if layout.fused_attention and layout.attention_kernel not in dict(cluster.attention_speeds):
+        return f"attention kernel not on this GPU ({layout.attention_kernel} on {cluster.name})"
     return None
 
 

@@ -13,9 +13,10 @@ product with V over the causal half of the s x s matrix (Megatron-LM's papers, P
   MLP's activation function, which have no matmul FLOPs (the scores were never stored).
 Time of one micro-batch on a stage = its matmul FLOPs / (peak x the GPU's matmul efficiency), each product no faster
 than its bytes at the HBM bandwidth (the roofline: a product of few rows, such as an expert's share of the tokens,
-is memory-bound; expert parallelism gathers more tokens per expert) + its attention FLOPs
-at a fused kernel's slower rate (attention_speed) + the bytes its memory-bound kernels move / HBM bandwidth (norms,
-residual adds, the activation function; the scores' softmax when unfused) + a fixed cost per kernel (launch, tail).
+is memory-bound; expert parallelism gathers more tokens per expert) + its attention FLOPs at the fused kernel's
+rate (Layout.attention_kernel: FlashAttention-2 or -3, hardware.ATTENTION_SPEED) + the bytes its memory-bound kernels
+move / HBM bandwidth (norms, residual adds, the activation function; the scores' softmax when unfused) + a fixed
+cost per kernel (launch, tail).
 The per-kernel cost and the matmuls' share make small micro-batches less efficient; nothing is an assumed MFU.
 
 Communication that overlaps compute, per layer and micro-batch:
@@ -63,6 +64,19 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return idle / (m + idle)
 
 
+def attention_kernel(layout: Layout) -> str | None:
+    """The kernel that runs the attention: the layout's fused one, or None (unfused: batched matmuls)."""
+    return layout.attention_kernel if layout.fused_attention else None
+
+
+def bubble_by_microbatches(p: int, v: int = 1, multiples=(1, 2, 4, 8, 16)) -> list[tuple[int, float]]:
+    """(m, the 1F1B bubble) for m = p, 2p, 4p... micro-batches a step: the bubble is a trade-off against the batch,
+    never a wall. At m = p it is (p-1)/(2p-1), about half the step. Megatron-LM requires m >= p, and a multiple of p
+    when interleaved; torch's interleaved schedule needs m a multiple of its rounds, m // p; Llama 3 (section 3.3.2)
+    lets m be any number."""
+    return [(k * p, bubble_fraction(p, k * p, v)) for k in multiples]
+
+
 def attention_flops(model: Model, layout: Layout) -> tuple[float, float]:
     """(model, hardware) FLOPs of the attention scores and their product with V, forward, per token and layer on the
     whole model width: model FLOPs count the whole s x s matrix (4 s h), a fused kernel skips the causal half."""
@@ -85,7 +99,7 @@ def ring_attention_seconds(model: Model, cluster: Cluster, layout: Layout) -> fl
     step_bytes = 2 * 2 * s / cp * b * model.hidden * model.kv_fraction / t  # K and V chunks, 16-bit
     transfer = latency + step_bytes / bandwidth
     rank_attention = (
-        attention_flops(model, layout)[1] * (s / cp) * b / t / cluster.attention_flops(layout.fused_attention)
+        attention_flops(model, layout)[1] * (s / cp) * b / t / cluster.attention_flops(attention_kernel(layout))
     )
     per_step = rank_attention / cp
     backward_ratio = 2.5 if layout.fused_attention else 2
@@ -186,7 +200,7 @@ def stage_work(model: Model, cluster: Cluster, layout: Layout, stage: int, layer
     attention_forward = layers * attention
     rebuilt = layout.recompute == "full" or (layout.recompute == "selective" and not layout.fused_attention)
     attention_later = layers * attention * (attention_backward + rebuilt)  # backward, and the rebuilt forward
-    attention_rate = cluster.attention_flops(layout.fused_attention)
+    attention_rate = cluster.attention_flops(attention_kernel(layout))
     overhead = layers * KERNELS_PER_LAYER * KERNEL_OVERHEAD_S
     forward_s = (
         matmul_s + attention_forward / attention_rate + moved_forward / cluster.hbm_bandwidth + overhead / 3
