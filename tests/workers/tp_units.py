@@ -10,6 +10,7 @@ model on one process (utils/model.py): its loss and every gradient.
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,8 +31,18 @@ CONFIG = ModelConfig(seq_len=8, dim=16, n_heads=4, n_layers=2)
 TOLERANCE = 1e-5  # a whole model's gradients in float32
 
 
-def one_process_gradients(tokens, targets):
+def one_process_gradients(tokens, targets, tokens_kept=None):
+    """Loss and gradients on one process; tokens_kept (a slice of the sequence): the final norm's gradients from
+    those tokens only, as one rank of a sequence-parallel run holds them before the ranks' parts are summed."""
     model = build_model(CONFIG, seed=0)
+    if tokens_kept is not None:
+        mask = torch.zeros(1, CONFIG.seq_len, 1)
+        mask[:, tokens_kept] = 1
+
+        def masked(module, args, output):
+            output.register_hook(lambda grad: grad * mask)
+
+        model.norm.register_forward_hook(masked)
     loss = loss_fn(model(tokens), targets)
     loss.backward()
     return float(loss), {name: p.grad for name, p in model.named_parameters()}
@@ -44,24 +55,70 @@ def compare_model(todo: int, lesson, scaffold, group, sequence_parallel: bool, s
     targets = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_len), generator=generator)
     loss_ref, grads_ref = one_process_gradients(tokens, targets)
     model = lesson.parallelize_scratch(build_model(CONFIG, seed=0), group, sequence_parallel)
-    loss = loss_fn(model(tokens), targets)
+    mode = "with" if sequence_parallel else "without"
+    try:
+        loss = loss_fn(model(tokens), targets)
+    except RuntimeError as error:
+        line = traceback.extract_tb(error.__traceback__)[-1].line or ""
+        branch = next((b for b in ("mlp", "attention") if f"self.{b}(" in line), None)
+        if not (sequence_parallel and branch and "must match the size" in str(error)):
+            raise
+        raise CourseError(  # the residual stream holds this rank's tokens; the region returned the whole sequence
+            f"TODO {todo}: with SP, adding the {branch}'s output to the residual stream raised RuntimeError: "
+            f"{str(error).splitlines()[0]}: likely the {branch}'s row-parallel layer does not reduce-scatter along "
+            "the sequence (sequence_parallel not passed on to it)"
+        ) from error
     loss.backward()
     sync(model, group)
-    mode = "with" if sequence_parallel else "without"
     if abs(float(loss) - loss_ref) > TOLERANCE:
         raise CourseError(f"TODO {todo}: the loss {mode} SP is {float(loss):.6f}, one process's {loss_ref:.6f}")
     grads = full_gradients(model, group)
-    for name, want in grads_ref.items():
+    n = dist.get_world_size(group)
+    for name, want in reversed(grads_ref.items()):  # in backward's order: the first wrong one is nearest the cause
         got = grads.get(name)
         if got is None or got.shape != want.shape:
             raise CourseError(
                 f"TODO {todo}: {mode} SP, {name}'s gradient is {None if got is None else list(got.shape)}"
             )
-        difference = float((got - want).abs().max())
-        if difference > TOLERANCE:
-            raise CourseError(
-                f"TODO {todo}: {mode} SP, {name}'s gradient differs from one process's by {difference:.1e}"
+        wrong = (got - want).abs() > TOLERANCE
+        if wrong.any():
+            index = [int(i) for i in wrong.nonzero()[0]]
+            first = (
+                f"TODO {todo}: {mode} SP, backward first goes wrong at {name}: its gradient at {index} is "
+                f"{float(got[tuple(index)]):.4f}, one process's {float(want[tuple(index)]):.4f}"
             )
+            cause = gradient_cause(name, got, want, n, sequence_parallel)
+            if sequence_parallel and name.startswith("norm."):  # SP's final norm: its gradient is summed by TODO 6
+                per_rank = CONFIG.seq_len // n
+                rank = dist.get_rank(group)
+                _, partial = one_process_gradients(tokens, targets, slice(rank * per_rank, (rank + 1) * per_rank))
+                if float((got - partial[name]).abs().max()) <= TOLERANCE:
+                    cause = (
+                        f": it is rank {rank}'s partial gradient (its own tokens only): the ranks' partial gradients "
+                        "are not summed into it"
+                    )
+            raise CourseError(first + cause)
+
+
+def gradient_cause(name: str, got, want, n: int, sequence_parallel: bool) -> str:
+    """The likely cause, from the first parameter (in backward's order) whose gradient is wrong and by how much."""
+    region = next((r for r in ("attn", "mlp") if f".{r}_norm." in name), None)
+    where = {"attn": "attention", "mlp": "MLP"}.get(region)
+    if float((got - n * want).abs().max()) <= TOLERANCE:
+        if sequence_parallel and region is None:
+            return f": {n} x one process's (a partial gradient summed over the ranks, then summed again)"
+        return (
+            f": {n} x one process's: the gradient entering the {where or 'region'} is summed over the ranks twice "
+            "(is f applied more than once on the way in, e.g. by q, k and v as well as on the region's input?)"
+        )
+    if float((got - want / n).abs().max()) <= TOLERANCE:
+        return f": 1/{n} of one process's: averaged over the ranks where they should be summed"
+    if where:
+        return (
+            f": the gradient entering the {where} is not summed over the ranks: likely the {where}'s input does not "
+            "pass through f"
+        )
+    return ""
 
 
 def check_block(lesson, scaffold, group, device):

@@ -21,14 +21,26 @@ from utils.model import ModelConfig, build_model
 TOLERANCE = 1e-6  # float32: a sum over ranks is added in another order than one process adds it
 
 
-def _close(todo: int, name: str, got, want: torch.Tensor):
+def _close(todo: int, name: str, got, want: torch.Tensor, mistakes: dict | None = None):
+    """Fail naming where `got` first differs from `want` (index, got, want), and the likely cause when `got` is what
+    a known mistake gives: mistakes = {cause: the value (or shape) that mistake produces}."""
     if got is None:
         raise CourseError(f"TODO {todo}: {name} is None (no gradient reached it)")
+    got = got.detach()
+    known = [(why, value) for why, value in (mistakes or {}).items() if value.shape == got.shape]
+    where = f" on rank {dist.get_rank()}" if dist.is_initialized() else ""
     if got.shape != want.shape:
-        raise CourseError(f"TODO {todo}: {name} has shape {list(got.shape)}, expected {list(want.shape)}")
-    difference = float((got.detach() - want).abs().max())
-    if difference > TOLERANCE:
-        raise CourseError(f"TODO {todo}: {name} differs from one process's by {difference:.1e}")
+        cause = f": {known[0][0]}" if known else ""
+        raise CourseError(f"TODO {todo}: {name} has shape {list(got.shape)}{where}, expected {list(want.shape)}{cause}")
+    wrong = (got - want).abs() > TOLERANCE
+    if wrong.any():
+        index = tuple(int(i) for i in wrong.nonzero()[0])
+        cause = next((why for why, value in known if float((got - value).abs().max()) <= TOLERANCE), None)
+        cause = f": {cause}" if cause else f" (differs by up to {float((got - want).abs().max()):.1e})"
+        raise CourseError(
+            f"TODO {todo}: {name} at {list(index)} is {float(got[index]):.4f}{where}, want {float(want[index]):.4f}"
+            f"{cause}"
+        )
 
 
 def _same_everywhere(*shape, seed: int, device) -> torch.Tensor:
@@ -42,17 +54,44 @@ def check_f_and_g(f, g, group, device):
     x = _same_everywhere(3, 5, seed=1, device=device).requires_grad_()
     weights = [_same_everywhere(3, 5, seed=10 + r, device=device) for r in range(n)]  # a gradient per rank
     y = f.apply(x, group)
-    _close(1, "f's forward output (the identity)", y, x.detach())
+    _close(
+        1,
+        "f's forward output (the identity)",
+        y,
+        x.detach(),
+        {f"f sums over the {n} ranks in forward (g's job); f is the identity forward": n * x.detach()},
+    )
     (y * weights[rank]).sum().backward()
-    _close(1, "f's backward (the sum of every rank's gradient)", x.grad, sum(weights))
+    _close(
+        1,
+        "f's backward (the sum of every rank's gradient)",
+        x.grad,
+        sum(weights),
+        {"f's backward keeps this rank's own gradient: the ranks' gradients are not summed": weights[rank]},
+    )
 
     parts = [_same_everywhere(3, 5, seed=20 + r, device=device) for r in range(n)]  # each rank's partial output
     z = parts[rank].clone().requires_grad_()
     out = g.apply(z, group)
-    _close(1, "g's forward output (the sum over ranks)", out, sum(parts))
+    _close(
+        1,
+        "g's forward output (the sum over ranks)",
+        out,
+        sum(parts),
+        {"g returns this rank's partial output: the partial outputs are not summed over the ranks": parts[rank]},
+    )
     upstream = _same_everywhere(3, 5, seed=30, device=device)
     (out * upstream).sum().backward()
-    _close(1, "g's backward (the identity)", z.grad, upstream)
+    _close(
+        1,
+        "g's backward (the identity)",
+        z.grad,
+        upstream,
+        {
+            f"g's backward sums the gradient over the {n} ranks, {n} x too large: g is the identity backward": n
+            * upstream
+        },
+    )
 
 
 def _reference(layer: nn.Linear, x: torch.Tensor, upstream: torch.Tensor):
@@ -77,9 +116,23 @@ def check_column(column, group, device):
         layer = column(full, group, copy_input=True, gather_output=gather)
         xi = x.clone().requires_grad_()
         y = layer(xi)
-        _close(2, f"ColumnParallelLinear's output (gather_output={gather})", y, y_ref if gather else y_ref[..., rows])
+        want = y_ref if gather else y_ref[..., rows]
+        mistakes = {  # what the known mistakes give
+            "the bias is missing (this rank's slice of it is not added)": want - full.bias.detach()[
+                slice(None) if gather else rows],
+            "the slices are concatenated along dim 0 (the batch), not the output features (dim -1)": torch.cat(
+                [y_ref[..., 4 * r : 4 * (r + 1)] for r in range(n)]),
+        }  # fmt: skip
+        _close(2, f"ColumnParallelLinear's output (gather_output={gather})", y, want, mistakes)
         (y * (upstream if gather else upstream[..., rows])).sum().backward()
-        _close(2, f"ColumnParallelLinear's input gradient (gather_output={gather})", xi.grad, x_grad_ref)
+        partial = upstream[..., rows] @ full.weight.detach()[rows]  # through this rank's output features only
+        _close(
+            2,
+            f"ColumnParallelLinear's input gradient (gather_output={gather})",
+            xi.grad,
+            x_grad_ref,
+            {"the input gradient is this rank's partial one: f is not applied to the input (copy_input)": partial},
+        )
         _close(2, "ColumnParallelLinear's weight gradient (this rank's rows)", layer.weight.grad, w_grad_ref[rows])
         _close(2, "ColumnParallelLinear's bias gradient (this rank's slice)", layer.bias.grad, b_grad_ref[rows])
 
@@ -98,8 +151,18 @@ def check_row(row, group, device):
     for parallel_input in (False, True):
         layer = row(full, group, input_is_parallel=parallel_input)
         xi = (x[..., columns] if parallel_input else x).clone().requires_grad_()
-        y = layer(xi)
-        _close(3, f"RowParallelLinear's output (input_is_parallel={parallel_input})", y, y_ref)
+        try:
+            y = layer(xi)
+        except RuntimeError as error:
+            if parallel_input or "cannot be multiplied" not in str(error):
+                raise
+            raise CourseError(  # a whole input (4n features) met this rank's 4 columns of the weight
+                f"TODO 3: RowParallelLinear(input_is_parallel=False) raised RuntimeError: {error}: likely the whole "
+                f"input ({4 * n} features) is not split before it meets this rank's {4} columns"
+            ) from error
+        n_biases = y_ref + (n - 1) * full.bias.detach()  # each rank's partial output carrying the bias, then summed
+        name = f"RowParallelLinear's output (input_is_parallel={parallel_input})"
+        _close(3, name, y, y_ref, {f"the bias is added {n} times (on every rank before g sums them)": n_biases})
         (y * upstream).sum().backward()
         want = x_grad_ref[..., columns] if parallel_input else x_grad_ref
         _close(3, f"RowParallelLinear's input gradient (input_is_parallel={parallel_input})", xi.grad, want)
@@ -136,16 +199,36 @@ def check_sequence_pair(gather, reduce_scatter, group, device):
     pieces = [_same_everywhere(2, 3, 4, seed=40 + r, device=device) for r in range(n)]  # each rank's tokens
     x = pieces[rank].clone().requires_grad_()
     gathered = gather.apply(x, group)
-    _close(5, "GatherSequence's forward (all-gather along dim 1)", gathered, torch.cat(pieces, dim=1))
+    _close(
+        5,
+        "GatherSequence's forward (all-gather along dim 1)",
+        gathered,
+        torch.cat(pieces, dim=1),
+        {"the pieces are concatenated along dim 0 (the batch), not the sequence (dim 1)": torch.cat(pieces)},
+    )
     upstreams = [_same_everywhere(2, 3 * n, 4, seed=50 + r, device=device) for r in range(n)]  # partial gradients
     (gathered * upstreams[rank]).sum().backward()
-    _close(5, "GatherSequence's backward (reduce-scatter along dim 1)", x.grad, sum(upstreams)[:, mine])
+    _close(
+        5,
+        "GatherSequence's backward (reduce-scatter along dim 1)",
+        x.grad,
+        sum(upstreams)[:, mine],
+        {
+            "this rank's slice of its own gradient: the ranks' gradients are not summed (reduce-scatter)": upstreams[
+                rank
+            ][:, mine]
+        },
+    )
 
     partials = [_same_everywhere(2, 3 * n, 4, seed=60 + r, device=device) for r in range(n)]
     z = partials[rank].clone().requires_grad_()
     scattered = reduce_scatter.apply(z, group)
     _close(
-        5, "ReduceScatterSequence's forward (sum, keep this rank's part of dim 1)", scattered, sum(partials)[:, mine]
+        5,
+        "ReduceScatterSequence's forward (sum, keep this rank's part of dim 1)",
+        scattered,
+        sum(partials)[:, mine],
+        {"the whole sequence is kept: summed over the ranks but not split along dim 1": sum(partials)},
     )
     grads = [_same_everywhere(2, 3, 4, seed=70 + r, device=device) for r in range(n)]
     (scattered * grads[rank]).sum().backward()

@@ -49,14 +49,18 @@ def lab_layers():
     return embed, up, down, inputs, targets
 
 
-def one_process_losses() -> list[float]:
-    """The answer: the same model and steps on one process, whole layers, no collectives."""
+def one_process_losses(bias_times: float = 1.0, sum_times: float = 1.0) -> list[float]:
+    """The answer: the same model and steps on one process, whole layers, no collectives. bias_times, sum_times:
+    the down layer's bias and its partial sums' total scaled, as the known mistakes scale them on every rank."""
     embed, up, down, inputs, targets = lab_layers()
     optimizer = torch.optim.SGD([*embed.parameters(), *up.parameters(), *down.parameters()], lr=LR)
     losses = []
     for _ in range(STEPS):
         h = embed(inputs)
-        loss = F.mse_loss(h + down(F.gelu(up(h))), targets)
+        # the mistaken bias is added in each rank's partial output, whose gradient g passes through unchanged
+        bias = down.bias + (bias_times - 1) * down.bias.detach()
+        out = sum_times * F.linear(F.gelu(up(h)), down.weight) + bias
+        loss = F.mse_loss(h + out, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -124,7 +128,30 @@ def failure(outcomes: list[dict], todo: int) -> str | None:
     if passed:
         return None
     first = next(line for line in lines if line.startswith("rank") and not line.endswith("(right)"))
-    return f"TODO {todo}: {first}. Hint: {HINT}.\nEvery rank:\n" + "\n".join(lines)
+    cause = likely_cause(outcomes)
+    return f"TODO {todo}: {first}{cause}. Hint: {HINT}.\nEvery rank:\n" + "\n".join(lines)
+
+
+def likely_cause(outcomes: list[dict]) -> str:
+    """The known mistakes, recognised by their losses (computed here on one process) or by when the ranks part."""
+    values = [o["value"] for o in outcomes]
+    if any(o["error"] for o in outcomes) or len(values) < 2:
+        return ""
+    n, expected = len(values), one_process_losses()
+    known = {
+        f"the down layer's bias is added {n} times (on every rank before g sums them)": one_process_losses(n),
+        f"g averages the {n} partial outputs instead of summing them": one_process_losses(sum_times=1 / n),
+    }
+    cause = next((why for why, losses in known.items() if _first_difference(values[0], losses) is None), None)
+    if cause:
+        return f": {cause}"
+    agree = all(_first_difference(v, values[0]) is None for v in values[1:])
+    if _first_difference(values[0], expected) != 1 and not agree:
+        return (": right at step 1, then the ranks drift apart: the forward is right, but a gradient stays partial "
+                "on each rank (likely the MLP's input does not pass through f)")  # fmt: skip
+    if not agree:
+        return ": wrong from step 1 and the ranks disagree: likely each rank's MLP output is left a partial sum (no g)"
+    return ""
 
 
 # --------------------------------------------------------------------------------------------------
