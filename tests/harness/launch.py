@@ -72,7 +72,12 @@ def finished(result: Run, todo: int) -> dict:
             raise AssertionError(f"{blame}\n(the run checking TODO {todo} failed there) Its last lines:\n{lines}")
         stopped = re.search(r"TODO (\d+):", result.output)
         name = f"TODO {stopped.group(1)}" if stopped else f"checking TODO {todo}"
-        raise AssertionError(f"{name}: the run failed. Its last lines:\n{result.tail()}")
+        tail = result.tail()
+        # make check shows the first line only: put the run's last error on it, so that the line is never empty
+        errors = [line.strip() for line in tail.splitlines() if re.search(r"(Error|Exception|error|ERROR)\b.*:", line)]
+        last = (errors or [line.strip() for line in tail.splitlines() if line.strip()] or ["nothing printed"])[-1]
+        raise AssertionError(f"{name}: the run failed (exit code {result.returncode}): {last[:200]}. "
+                             f"Its last lines:\n{tail}")  # fmt: skip
     return result.metrics
 
 
