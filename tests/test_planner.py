@@ -550,8 +550,25 @@ def test_plan_considers_cp_and_ep():
 
 
 def run_planner(*args):
-    command = [sys.executable, "-m", "utils.planner", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    """The command line in this process (its main, as `python -m utils.planner` calls it): what it prints and its exit
+    code, without a new interpreter importing torch for each call. test_python_m_utils_planner_runs runs it as a
+    learner does, once."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            returncode = planner_main([str(arg) for arg in args])
+        except SystemExit as stopped:  # argparse's refusals (2) and --help (0)
+            returncode = stopped.code if isinstance(stopped.code, int) else 1
+    return subprocess.CompletedProcess(["python", "-m", "utils.planner", *args], returncode, out.getvalue(),
+                                       err.getvalue())  # fmt: skip
+
+
+def test_python_m_utils_planner_runs():
+    """`python -m utils.planner` as a learner types it: the same table as its main in this process."""
+    command = [sys.executable, "-m", "utils.planner", *ISSUE_EXAMPLE, "--top", "3"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == run_planner(*ISSUE_EXAMPLE, "--top", "3").stdout
 
 
 ISSUE_EXAMPLE = (
