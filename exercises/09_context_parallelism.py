@@ -131,9 +131,10 @@ def ring_attention_backward(d_out, q, k, v, out, lse, positions, all_positions, 
     kv = torch.stack([k, v])
     d_q, d_kv = torch.zeros_like(q), torch.zeros_like(kv)  # d_kv: a held block's gradient; at the end, this rank's
     next_rank, previous_rank = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
-    # TODO 5: the ring backward, with an asynchronous gradient hop. This rank's q, k, v gradients: blocks travel as
-    #   in TODO 4; each block's gradient follows one hop behind, gathering every rank's share, and ends at its owner.
-    raise NotImplementedError("TODO 5: the ring backward, with an asynchronous gradient hop")
+    # TODO 5: the ring backward and its gradient hop. This rank's q, k, v gradients: blocks travel as in TODO 4;
+    #   each block's gradient follows one hop behind, gathering every rank's share, and ends at its owner. Waited for
+    #   later, a hop overlaps the next block.
+    raise NotImplementedError("TODO 5: the ring backward and its gradient hop")
     return d_q, d_kv[0], d_kv[1]
 
 

@@ -196,8 +196,9 @@ def ring_attention_backward(d_out, q, k, v, out, lse, positions, all_positions, 
     kv = torch.stack([k, v])
     d_q, d_kv = torch.zeros_like(q), torch.zeros_like(kv)  # d_kv: a held block's gradient; at the end, this rank's
     next_rank, previous_rank = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
-    # TODO 5: the ring backward, with an asynchronous gradient hop. This rank's q, k, v gradients: blocks travel as
-    #   in TODO 4; each block's gradient follows one hop behind, gathering every rank's share, and ends at its owner.
+    # TODO 5: the ring backward and its gradient hop. This rank's q, k, v gradients: blocks travel as in TODO 4;
+    #   each block's gradient follows one hop behind, gathering every rank's share, and ends at its owner. Waited for
+    #   later, a hop overlaps the next block.
     # HINT 1: Each rank computes only its queries' share of a block's gradient. How does the sum of every rank's share
     #   reach the block's owner, and can it travel while the next block is computed?
     # HINT 2: The same steps and skipped pairs as TODO 4, each block giving block_attention_backward's pieces: add the

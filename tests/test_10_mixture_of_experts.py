@@ -26,6 +26,7 @@ from tests.harness.todo_calls import call
 from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
+from utils.lesson_10 import bias_balancing
 from utils.lesson_10.reference import kept_problem, reference_routing, slot_problem, train_reference
 
 TOLERANCE = 1e-6  # fp32, SGD: N ranks and one process differ only by the order of additions
@@ -150,7 +151,8 @@ def aux_cause(got: float, want_aux, fraction, probs, ranked, gates, k: int) -> s
     mistakes = {
         "the factor E is missing": want / n_experts,
         "f_e divides by the tokens T, not by the T x k choices": want * k,
-        "f_e counts the first choices only": float(n_experts * (first_only * probs.mean(dim=0)).sum()),
+        "f_e counts the first choices only (GShard's convention; this lesson's, Megatron-Core's, counts all T x k)":
+            float(n_experts * (first_only * probs.mean(dim=0)).sum()),
         "P_e averages the chosen experts' gates, not every expert's probability over the tokens":
             float(n_experts * (fraction * chosen_gates).sum()),
     }  # fmt: skip
@@ -414,6 +416,34 @@ def test_options_and_measurements_reach_the_metrics(run, needs):
     assert any(sum(step) for step in run("padded_4")[0]["dropped"]), "capacity factor 1.0 dropped nothing"
     assert not any(sum(step) for step in run("padded_3")[0]["dropped"]), "capacity factor E / k dropped choices"
     assert not any(sum(step) for step in run("dropless_2")[0]["dropped"]), "dropless dropped choices"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Auxiliary-loss-free balancing (utils/lesson_10/bias_balancing.py, the notebook's section 5)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_bias_update_and_biased_choice_match_a_hand_computation():
+    """DeepSeek-V3's rule: +gamma below the mean load, -gamma above, unchanged at it; the bias picks, never weights."""
+    bias, load = torch.tensor([0.1, -0.2, 0.0, 0.05]), torch.tensor([10, 2, 6, 6])  # mean load 6
+    got = bias_balancing.update_bias(bias, load, gamma=0.001)
+    assert torch.allclose(got, torch.tensor([0.099, -0.199, 0.0, 0.05])), got
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])  # sigmoid scores 0.881, 0.731, 0.5, 0.269
+    experts, gates = bias_balancing.route_with_bias(logits, torch.tensor([0.0, 0.0, 0.5, 0.0]), k=2)
+    assert experts.tolist() == [[2, 0]], f"scores + bias 0.881, 0.731, 1.0, 0.269: top-2 is [2, 0], got {experts}"
+    scores = logits.sigmoid()[0]
+    want = torch.stack([scores[2], scores[0]]) / (scores[2] + scores[0])  # the unbiased scores, divided by their sum
+    assert torch.allclose(gates[0], want), f"gates {gates[0].tolist()}, want {want.tolist()} (no bias in the gates)"
+
+
+def test_bias_balancing_reduces_the_busiest_experts_share_without_a_loss():
+    """One process, 8 experts, top-2, no load-balancing loss: the bias (gamma 0.01) against none (gamma 0)."""
+    unbalanced = bias_balancing.busiest_share(bias_balancing.train(0.0, steps=60))
+    balanced = bias_balancing.busiest_share(bias_balancing.train(0.01, steps=60))
+    assert unbalanced > 3, f"without balancing the busiest expert has {unbalanced:.2f} x the even share, want > 3"
+    assert balanced < 2 and balanced < unbalanced - 1, (
+        f"the bias leaves the busiest expert at {balanced:.2f} x the even share (none: {unbalanced:.2f})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,4 +8,6 @@
   the all-to-all's rows and bytes, each rank's time in its experts and in the combine) and the full weights.
 - figures.py: the notebook's tables and plots.
 - runs.py: the notebook's runs of the lesson script (launched in one line each) and the refusal of what cannot run.
+- bias_balancing.py: DeepSeek-V3's sigmoid router with auxiliary-loss-free bias balancing, trained on one process
+  (the notebook's section 5).
 """

@@ -128,3 +128,19 @@ def ep_table(predictions: list, gpus_per_node: int):
         print(f"{layout.ep:3d} {'in a node' if inside else 'two nodes':>10s} "
               f"{human(sum(pred.model_state.values())):>11s} {pred.ep_s:12.2f} {pred.step_s:7.2f} "
               f"{pred.tokens_per_s:9,.0f}  {pred.reason or 'yes'}")  # fmt: skip
+
+
+def plot_bias_balancing(runs: dict):
+    """runs: {label: [step][layer] choices per expert}. The busiest expert's share over the even share, worst layer,
+    step by step."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for label, loads in runs.items():
+        shares = [max(max(layer) * len(layer) / sum(layer) for layer in step) for step in loads]
+        ax.plot(range(1, len(shares) + 1), shares, label=label)
+    ax.axhline(1, color="grey", linestyle=":", label="even")
+    ax.set_title("sigmoid router, no load-balancing loss: busiest expert, worst layer", fontsize=11)
+    ax.set_xlabel("step", fontsize=11)
+    ax.set_ylabel("its choices / the even share", fontsize=11)
+    ax.legend(fontsize=10)
+    fig.tight_layout()
+    return fig

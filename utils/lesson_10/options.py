@@ -5,7 +5,7 @@ import argparse
 from utils.distributed_utils import Refusal
 from utils.training import base_parser, non_negative_float, parse_args, positive_int
 
-DEFAULT_CAPACITY_FACTOR = 1.25  # GShard's and Switch's usual training value
+DEFAULT_CAPACITY_FACTOR = 1.25  # one of Switch's training values (GShard's top-2 capacity 2S/E is 1.0 here)
 
 
 def positive_float(text: str) -> float:
