@@ -7,7 +7,8 @@ product with V over the causal half of the s x s matrix (Megatron-LM's papers, P
 12 L s h: model_flops_per_token(whole_attention=True)). The FLOPs the GPUs execute (hardware FLOPs) differ:
 - a fused attention kernel (FlashAttention, PyTorch's scaled_dot_product_attention) skips the masked half of a
   causal score matrix, and its backward recomputes the scores (10 s h a token against the forward's 4 s h);
-  an unfused one (Megatron-LM 2021-22, the course's from-scratch ring attention) computes the whole matrix;
+  an unfused one (Megatron-LM 2021-22) computes the whole matrix (the course's from-scratch ring attention skips
+  the blocks above the diagonal but computes the masked half of each diagonal block);
 - recomputation adds the forward FLOPs of what it rebuilds: full, every layer's forward (2 x its parameters + the
   attention); selective, unfused, the attention core (Korthikanti et al. 2022); selective, fused, the norms and the
   MLP's activation function, which have no matmul FLOPs (the scores were never stored).
