@@ -458,7 +458,8 @@ def test_plan_ranks_runnable_layouts_and_refuses_the_rest():
 def test_context_parallelism_divides_activations_and_adds_the_rings_traffic():
     """cp = 2 holds half of every sequence: the activations of a model with half the sequence. Each of the cp - 1
     ring steps sends a K and a V chunk (2 x s/cp x b x h / t values of 2 bytes) against the attention of one chunk
-    (1/cp of the rank's causal attention); backward twice the bytes against 2.5 times the compute."""
+    (1/cp of the rank's causal attention); backward K and V again and their gradients in fp32 (as production rings
+    pass them: three times the bytes) against 2.5 times the compute."""
     layout = Layout(dp=4, tp=8, pp=1, micro_batch=1, microbatches=256, zero=1, cp=2)
     assert check_layout(LLAMA70, H100x64, layout, 1024) is None
     half = Model(70e9, 80, 8192, 64, 128256, 2048)
@@ -469,7 +470,8 @@ def test_context_parallelism_divides_activations_and_adds_the_rings_traffic():
     attention_step = 4 * s * h / 2 * (s / 2) / t / rate / 2  # causal, forward, one chunk
     inside = predict(LLAMA70, H100x64, layout)  # tp 8 x cp 2 = 16 ranks: the cp pairs are 8 apart, across nodes
     transfer = 10e-6 + step_bytes / 50e9
-    expected = max(0, transfer - attention_step) + max(0, 2 * transfer - 2.5 * attention_step)
+    backward = 2 * 10e-6 + (step_bytes + 2 * step_bytes) / 50e9  # K and V in bf16, then dK and dV in fp32
+    expected = max(0, transfer - attention_step) + max(0, backward - 2.5 * attention_step)
     assert inside.cp_s == pytest.approx(80 * 256 * expected) and inside.cp_s > 0
     # A chunk's attention grows as (s/cp)^2, its K/V as s/cp: at 8K tokens the ring hides inside a node (16 GPUs a
     # node keep the cp pairs in it), not across nodes; at 32K it hides across nodes too.

@@ -23,8 +23,8 @@ The per-kernel cost and the matmuls' share make small micro-batches less efficie
 Communication that overlaps compute, per layer and micro-batch:
 - CP (ring attention): cp - 1 ring steps, each sending a K and a V chunk (2 s/cp b h / t values, kv_heads / heads of
   that with grouped-query attention) while the attention of the chunk in hand runs; only the excess shows. Backward
-  sends K, V and their gradients (twice the bytes) against 2.5 times the forward's attention. The per-step compute
-  grows as (s/cp)^2 h, the transfer as (s/cp) h: long chunks hide the ring.
+  sends K and V and their gradients in fp32 (three times the bytes) against 2.5 times the forward's attention. The
+  per-step compute grows as (s/cp)^2 h, the transfer as (s/cp) h: long chunks hide the ring.
 - EP: per MoE layer, a dispatch and a combine all-to-all forward and backward, each tokens x k x h 16-bit values,
   (ep-1)/ep of them to other ranks; exposed, or hidden behind another micro-batch's compute as far as it lasts
   (Layout.ep_overlap: the assumption is a choice, stated in the layout).
@@ -85,13 +85,18 @@ def attention_flops(model: Model, layout: Layout) -> tuple[float, float]:
     return whole, whole / 2 if layout.fused_attention else whole
 
 
+# The travelling dK/dV of a ring's backward, in 16-bit K/V bytes: fp32 gradients, twice the bytes of bf16 K and V.
+FP32_GRADIENT_HOPS = 2
+
+
 def ring_attention_seconds(model: Model, cluster: Cluster, layout: Layout) -> float:
     """Per layer and micro-batch, forward and backward, the part of ring attention's K/V traffic that the attention
     does not hide. Each of the cp - 1 ring steps sends a K and a V chunk, 2 x s/cp x b x h / t 16-bit values (1/t:
     the heads are split over tp), while the attention of the chunk in hand runs (1/cp of the rank's attention, a
-    zigzag split balancing the causal triangle over the ranks); backward sends K, V and their gradients, twice the
-    bytes, against 2.5 times the forward's attention (a fused kernel's backward; 2 times unfused). Full
-    recomputation runs the forward ring again."""
+    zigzag split balancing the causal triangle over the ranks); backward sends K and V again and their gradients,
+    which production rings accumulate and pass on in fp32 (torch's context parallelism, convert_to_f32; ring-flash-
+    attn): 1 + 2 = 3 times the forward's bytes, against 2.5 times the forward's attention (a fused kernel's
+    backward; 2 times unfused). Full recomputation runs the forward ring again."""
     cp, t = layout.cp, layout.tp
     if cp == 1:
         return 0.0
@@ -105,7 +110,8 @@ def ring_attention_seconds(model: Model, cluster: Cluster, layout: Layout) -> fl
     per_step = rank_attention / cp
     backward_ratio = 2.5 if layout.fused_attention else 2
     forward = (cp - 1) * max(0.0, transfer - per_step)
-    backward = (cp - 1) * max(0.0, 2 * transfer - backward_ratio * per_step)
+    backward_transfer = 2 * latency + (1 + FP32_GRADIENT_HOPS) * step_bytes / bandwidth  # K, V; dK, dV in fp32
+    backward = (cp - 1) * max(0.0, backward_transfer - backward_ratio * per_step)
     return forward * (2 if layout.recompute == "full" else 1) + backward
 
 
