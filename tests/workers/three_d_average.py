@@ -31,15 +31,20 @@ def gradient(rank: int, index: int) -> torch.Tensor:
 
 
 def looks_like(got: torch.Tensor, rank: int, index: int, mine: int) -> str:
-    """What a wrong gradient is, in words: the usual mistakes, recognised by their values."""
+    """What a wrong gradient is, in words, with the known mistake that gives it (recognised by its values)."""
     group = DP_GROUPS[mine]
     summed = sum(gradient(peer, index) for peer in group)
+    world = sum(gradient(peer, index) for peer in range(4))
     candidates = {
-        "its own gradient, unchanged": gradient(rank, index),
-        "the sum over the group, not divided": summed,
-        "the mean over the whole world, not the DP group": sum(gradient(peer, index) for peer in range(4)) / 4,
-        f"the group's sum divided by 4, not by its size {len(group)} (divided twice, or by the world's size)": summed
-        / 4,
+        "its own gradient, unchanged: as if the average never reached p.grad (computed, never copied back)": (
+            gradient(rank, index)
+        ),
+        "the sum over the group: as if it were not divided by the group's size": summed,
+        "the mean over the whole world: as if all-reduced over the whole world, not the DP group": world / 4,
+        f"the world's sum divided by {len(group)}: as if all-reduced over the whole world, not the DP group": world
+        / len(group),
+        f"the group's sum divided by 4, not by its size {len(group)}: as if divided twice (ReduceOp.AVG, then again) "
+        "or by the world's size": summed / 4,
     }
     return next(
         (words for words, value in candidates.items() if torch.allclose(got, value, atol=1e-6)), "something else"
@@ -68,11 +73,13 @@ def main() -> int:
         if problem:
             break
         want = sum(gradient(peer, index) for peer in DP_GROUPS[mine]) / len(DP_GROUPS[mine])
-        difference = float((p.grad - want).abs().max())
-        if difference > 1e-6:
+        off = (p.grad - want).abs()
+        if float(off.max()) > 1e-6:
+            at = tuple(int(i) for i in (off > 1e-6).nonzero()[0])  # the first element that differs
             problem = (
                 f"rank {rank}: parameter {index}'s gradient should be the mean over its DP group {DP_GROUPS[mine]}; "
-                f"it is {looks_like(p.grad, rank, index, mine)} (off by {difference:.1e})"
+                f"it is {looks_like(p.grad, rank, index, mine)} (first at element {list(at)}: got "
+                f"{float(p.grad[at]):.4f}, want {float(want[at]):.4f})"
             )
     problems: list = [None] * world_size
     dist.all_gather_object(problems, problem)
