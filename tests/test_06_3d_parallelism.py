@@ -21,7 +21,7 @@ import torch
 
 from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext
-from tests.harness.todo_calls import call
+from tests.harness.todo_calls import call, prerequisites
 from utils import planner
 from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
@@ -393,21 +393,7 @@ CHECKS = {1: check_todo1, 2: check_todo2, 3: check_todo3, 4: check_todo4, 5: che
 @pytest.fixture(scope="module")
 def needs(script):
     """needs(1, 4, ...): skip this test, naming them, while those TODOs fail their own checks."""
-    outcome = {}
-
-    def check(*todos):
-        for todo in todos:
-            if todo not in outcome:
-                try:
-                    CHECKS[todo](script)
-                    outcome[todo] = True
-                except BaseException:  # AssertionError, or pytest.fail's exception
-                    outcome[todo] = False
-        failing = [todo for todo in todos if not outcome[todo]]
-        if failing:
-            pytest.skip(f"needs TODO {', '.join(map(str, failing))} first (see its own test)")
-
-    return check
+    return prerequisites(lambda todo: CHECKS[todo](script))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 
 from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import fake_wikitext, passed
-from tests.harness.todo_calls import call
+from tests.harness.todo_calls import call, prerequisites
 from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
@@ -218,24 +218,7 @@ def worker(lesson):
 @pytest.fixture(scope="module")
 def needs(script, worker):
     """needs(1, 3, ...): skip this test, naming them, while those TODOs fail their own checks (at 2 ranks)."""
-    outcome = {}
-
-    def check(*todos):
-        for todo in todos:
-            if todo not in outcome:
-                if todo in CHECKS:
-                    try:
-                        CHECKS[todo](script)
-                        outcome[todo] = True
-                    except BaseException:  # AssertionError, or pytest.fail's exception
-                        outcome[todo] = False
-                else:
-                    outcome[todo] = worker(2)[f"todo{todo}"] == "ok"
-        failing = [todo for todo in todos if not outcome[todo]]
-        if failing:
-            pytest.skip(f"needs TODO {', '.join(map(str, failing))} first (see its own test)")
-
-    return check
+    return prerequisites(lambda todo: CHECKS[todo](script) if todo in CHECKS else worker(2)[f"todo{todo}"] == "ok")
 
 
 def test_todo1_router_top_k_gates_and_load_balancing_loss(script):
