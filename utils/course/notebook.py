@@ -116,7 +116,11 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG, read again for the group made now
 from utils.distributed_utils import setup
-local_rank, rank, device, world_size = setup(seed={seed}, timeout_s={timeout_s})
+# Joining gets at least a minute (engines start their joins one after another, on a busy machine seconds apart);
+# the group's collectives then wait timeout_s, which may be shorter (a lab shows a timeout in 3 s).
+local_rank, rank, device, world_size = setup(seed={seed}, timeout_s=max({timeout_s}, 60))
+from datetime import timedelta
+dist.distributed_c10d._set_pg_timeout(timedelta(seconds={timeout_s}))
 """
 
 _LEAVE = """
@@ -240,7 +244,7 @@ class Ranks:
             code = _JOIN.format(root=str(ROOT), env=env, seed=self.seed, timeout_s=self.timeout_s)
             pending.append(self.client[engine].execute(code, block=False))
         for result in pending:
-            result.get(timeout=self.timeout_s + 60)
+            result.get(timeout=max(self.timeout_s, 60) + 60)  # the join waits at least 60 s (see _JOIN)
 
     def pull(self, name: str) -> list:
         """The value of `name` on every rank, in rank order (tensors come back as they are, on the CPU)."""
