@@ -82,9 +82,16 @@ def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf
     expert_replicas = replicas // layout.ep
     per = bytes_per_param(precision, optimizer)
 
-    # Memory: every stage's model state, buffers and activations; the stage that needs the most is reported.
+    # Stages that hold as many layers and the same ends (the embedding, the head) hold the same model state and do
+    # the same work a micro-batch: each such kind is computed once (126 layers over 16 stages make 3 kinds).
+    first_of_kind = {}
+    for stage in range(p):
+        first_of_kind.setdefault((pred.stage_layers[stage], stage == 0, stage == p - 1), stage)
+
+    # Memory: the stage that needs the most is reported. Within a kind the model state and buffers are the same and
+    # the activations never grow with the stage number (fewer micro-batches in flight further down the pipeline), so
+    # each kind's first stage is its largest.
     def stage_memory(stage):
-        layers = pred.stage_layers[stage]
         state = stage_model_state(model, layout, precision, optimizer, stage)
         buffers = 0.0
         one_layer = sum(stage_params(model, layout, stage, 1)) - sum(stage_params(model, layout, stage, 0))
@@ -92,15 +99,15 @@ def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf
             buffers = 2 * one_layer * (per["params"] + per["grads"])
         elif layout.zero == 2:  # one layer's gradients waiting for their reduce-scatter
             buffers = one_layer * per["grads"]
-        return state, activation_bytes(model, layout, stage, layers), buffers
+        return state, activation_bytes(model, layout, stage, pred.stage_layers[stage]), buffers
 
-    memories = [stage_memory(stage) for stage in range(p)]
-    pred.stage = max(range(p), key=lambda k: sum(memories[k][0].values()) + memories[k][1] + memories[k][2])
+    memories = {stage: stage_memory(stage) for stage in sorted(first_of_kind.values())}
+    pred.stage = max(memories, key=lambda k: sum(memories[k][0].values()) + memories[k][1] + memories[k][2])
     pred.model_state, pred.activations, pred.buffers = memories[pred.stage]
 
-    # Compute, per micro-batch, on every stage; the busiest sets the pace.
-    works = [stage_work(model, cluster, layout, stage, pred.stage_layers[stage]) for stage in range(p)]
-    busiest = max(range(p), key=lambda k: works[k].forward_s + works[k].backward_s)
+    # Compute, per micro-batch, on every stage (one of each kind); the busiest sets the pace.
+    works = {k: stage_work(model, cluster, layout, k, pred.stage_layers[k]) for k in sorted(first_of_kind.values())}
+    busiest = max(works, key=lambda k: works[k].forward_s + works[k].backward_s)
     work = works[busiest]
     layers_here = pred.stage_layers[busiest]
     pred.compute_s = m * (work.forward_s + work.backward_s)
@@ -158,7 +165,8 @@ def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf
     tokens = layout.dp * m * b * s
     pred.tokens_per_s = tokens / pred.step_s
     pred.model_flops = model_flops_per_token(model) * tokens
-    pred.hardware_flops = sum(w.flops for w in works) * t * cp * layout.dp * m
+    stage_kinds = [first_of_kind[(pred.stage_layers[k], k == 0, k == p - 1)] for k in range(p)]
+    pred.hardware_flops = sum(works[kind].flops for kind in stage_kinds) * t * cp * layout.dp * m
     pred.mfu = pred.model_flops / pred.step_s / (cluster.gpus * cluster.peak_flops)
     pred.mfu_whole = pred.mfu * model_flops_per_token(model, whole_attention=True) / model_flops_per_token(model)
     pred.hfu = pred.hardware_flops / pred.step_s / (cluster.gpus * cluster.peak_flops)
