@@ -448,13 +448,25 @@ def test_data_position_resumes_the_same_batches(module):
 
 
 def assert_bit_identical(metrics: dict, reference: dict, what: str):
-    first = next((i for i, (a, b) in enumerate(zip(metrics["losses"], reference["losses"])) if a != b), None)
-    assert metrics["losses"] == reference["losses"], (
-        f"{what}: the losses differ from the uninterrupted run from step {first + 1 if first is not None else '?'} "
-        f"on ({metrics['losses']} vs {reference['losses']}); a resume must restore the model, optimizer, schedule, "
-        "RNG (TODO 4) and data position exactly"
+    got, want = metrics["losses"], reference["losses"]
+    assert len(got) == len(want), f"{what}: {len(got)} losses, the uninterrupted run has {len(want)}"
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    resumed = metrics.get("resumed_from")  # the checkpoint's step: losses[resumed] is the first step trained after it
+    if resumed is None or first is None:
+        where = ""
+    elif first < resumed:
+        where = f", before the resume from step {resumed}: the first attempt itself already differs"
+    elif first == resumed:
+        where = f", the first step after resuming from step {resumed}: the checkpoint put back a different state"
+    else:
+        where = f"; resumed from step {resumed}, its first step after (step {resumed + 1}) matches: it drifts later"
+    if first is not None:
+        pytest.fail(f"{what}: the loss differs first at step {first + 1} (got {got[first]!r}, the uninterrupted run "
+                    f"{want[first]!r}){where}", pytrace=False)  # fmt: skip
+    assert metrics["param_checksum"] == reference["param_checksum"], (
+        f"{what}: every loss the same, but the final parameters differ ({metrics['param_checksum']!r}, the "
+        f"uninterrupted run {reference['param_checksum']!r}): the last step's update differs"
     )
-    assert metrics["param_checksum"] == reference["param_checksum"], f"{what}: the final parameters differ"
 
 
 def test_reference_run_keeps_the_last_k_checkpoints(run):
