@@ -365,7 +365,9 @@ def test_zero_under_gradient_accumulation_as_torch_runs_it():
     for zero in (2, 3):
         reason = check_layout(LLAMA70, H100x64, Layout(8, 2, 4, 1, 128, zero=zero), 1024)
         assert reason.startswith(f"ZeRO-{zero} under torch's pipeline holds what ZeRO-1 holds"), reason
-        assert "PipelineStage" in reason and "framework megatron" in reason  # whose property, and the way out
+        assert "PipelineStage" in reason and "framework llama3" in reason  # whose property, and the way out
+        megatron = check_layout(LLAMA70, H100x64, Layout(8, 2, 4, 1, 128, zero=zero, framework="megatron"), 1024)
+        assert megatron.startswith(f"ZeRO-{zero} under Megatron-LM's pipeline") and "ZeRO-1" in megatron, megatron
     model = Model(params=8e9, layers=32, hidden=4096, heads=32, vocab=128256, seq_len=4096)
     cluster = Cluster(gpus=8, gpus_per_node=4)  # dp crosses the node: the slow link
     grads = 4 * 8e9  # fp32 gradients of the whole model (tp = pp = 1), as bf16 training reduces them
@@ -648,14 +650,12 @@ def test_a_flat_zero3_group_of_thousands_is_not_the_first_choice_at_405b():
     reduce-scatter every block of every micro-batch across 2048 ranks, each collective paying the ring's 2047
     latencies; the planner's first choice is the published layout's shape, tp 8 x pp 16 x dp 128."""
     model = Model(405e9, 126, 16384, 128, 128000, 8192)
-    megatron = {"framework": "megatron"}  # Meta's framework is taken to re-gather SP inputs as Megatron-LM does
+    meta = {"framework": "llama3"}  # Meta's stack, as Llama 3's report describes it
     predictions = plan(model, Cluster.of("H100", 16384), 2048, micro_batches=(1,), virtual_stages=(1, 2, 4),
-                       software=megatron)  # fmt: skip
+                       software=meta)  # fmt: skip
     first = predictions[0].layout
     assert predictions[0].fits and (first.dp, first.tp, first.pp) == (128, 8, 16)
-    flat = predict(
-        model, Cluster.of("H100", 16384), Layout(2048, 8, 1, 1, 1, zero=3, recompute="selective", **megatron)
-    )
+    flat = predict(model, Cluster.of("H100", 16384), Layout(2048, 8, 1, 1, 1, zero=3, recompute="selective", **meta))
     assert flat.dp_exposed_s > predictions[0].bubble_s
 
 
@@ -836,12 +836,12 @@ def test_the_command_line_states_the_models_the_lesson_discusses():
     entry = next(e for e in published_runs.load()["layouts"] if e["name"] == "Llama 3 405B, 16K GPUs")
     argv = (
         "--params 405e9 --layers 126 --hidden 16384 --heads 128 --kv-heads 8 --vocab 128000 --seq-len 8192 "
-        "--ffn-hidden 53248 --gated-mlp --no-dropout --framework megatron --global-batch 2048 --gpus 16384"
+        "--ffn-hidden 53248 --gated-mlp --no-dropout --framework llama3 --global-batch 2048 --gpus 16384"
     ).split()
     parser = cli.parser()
     model, cluster, options, state = cli.configure(parser.parse_args(argv), parser)
     assert model == published_runs.model_of(entry) and state["precision"] == "bf16"
-    assert options["software"]["framework"] == "megatron"
+    assert options["software"]["framework"] == "llama3"
     row = next(row for row in published_runs.compare(ranks=False) if row.name == entry["name"])
     assert predict(model, cluster, row.layout, **state).memory == pytest.approx(row.memory)
     result = run_planner(*"--params 1e6 --layers 80 --hidden 8192 --heads 64 --vocab 128256 --seq-len 4096".split(),
@@ -862,17 +862,17 @@ def test_mfu_in_both_conventions():
 
 
 def test_zero_2_3_under_a_pipeline_is_a_framework_choice_priced_per_micro_batch():
-    """Framework megatron (the Megatron-like stacks of the published runs, Llama 3's among them) shards gradients under
-    a pipeline: the layout runs, its gradients are sharded (less memory than ZeRO-1), and it pays one reduce-scatter of
-    the stage's gradients a micro-batch, m + 1 transfers a step against ZeRO-1's 2, each past its own backward."""
-    megatron = dict(framework="megatron", recompute="full")
-    zero1, zero2 = (evaluate(LLAMA70, H100x64, Layout(8, 2, 4, 1, 128, zero=z, **megatron), 1024) for z in (1, 2))
+    """Framework llama3 (Meta's stack: Llama 3's report, section 3.3.2) shards gradients under a pipeline: the layout
+    runs, its gradients are sharded (less memory than ZeRO-1), and it pays one reduce-scatter of the stage's gradients
+    a micro-batch, m + 1 transfers a step against ZeRO-1's 2, each past its own backward."""
+    meta = dict(framework="llama3", recompute="full")
+    zero1, zero2 = (evaluate(LLAMA70, H100x64, Layout(8, 2, 4, 1, 128, zero=z, **meta), 1024) for z in (1, 2))
     assert zero2.fits and zero2.model_state["grads"] == pytest.approx(zero1.model_state["grads"] / 8)
     assert zero2.dp_s == pytest.approx(zero1.dp_s * (128 + 1) / 2)
     assert zero2.step_s > zero1.step_s  # the traffic is priced, not free
-    fewer = predict(LLAMA70, H100x64, Layout(8, 2, 4, 4, 32, zero=2, **megatron))
+    fewer = predict(LLAMA70, H100x64, Layout(8, 2, 4, 4, 32, zero=2, **meta))
     assert fewer.dp_s == pytest.approx(zero1.dp_s * (32 + 1) / 2)  # m, not the batch, sets the traffic
-    zero3 = evaluate(LLAMA70, H100x64, Layout(8, 2, 4, 1, 128, zero=3, **megatron), 1024)
+    zero3 = evaluate(LLAMA70, H100x64, Layout(8, 2, 4, 1, 128, zero=3, **meta), 1024)
     assert zero3.reason is None or zero3.reason.startswith("does not fit")
     assert zero3.dp_s == pytest.approx(zero1.dp_s * 3 * 128 / 2)
 
@@ -890,7 +890,8 @@ def test_the_bubble_against_micro_batches_and_whose_rule_limits_them():
         torch = check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, m, zero=0, virtual_stages=2), m)
         megatron = check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, m, zero=0, virtual_stages=2,
                                                          framework="megatron"), m)  # fmt: skip
-        assert torch is None, torch
+        llama3 = check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, m, zero=0, virtual_stages=2, framework="llama3"), m)
+        assert torch is None and llama3 is None, (torch, llama3)  # Llama 3's schedule takes any m (its Figure 6)
         assert (megatron is None) if m == 24 else megatron.startswith("Megatron-LM's interleaving"), (m, megatron)
     assert check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, 9, zero=0, virtual_stages=2), 9) is None  # 1 round
     odd = check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, 17, zero=0, virtual_stages=2), 17)  # 2 rounds of 8
@@ -931,7 +932,7 @@ def test_the_attention_kernel_is_a_stated_choice_that_moves_the_128k_ranking():
     cluster = Cluster.of("H100", 64)
     first = {}
     for kernel in ("fa2", "fa3"):
-        software = {"attention_kernel": kernel, "framework": "megatron"}
+        software = {"attention_kernel": kernel, "framework": "llama3"}
         runnable = [pred for pred in plan(LLAMA70_128K, cluster, 16, micro_batches=(1,), cps=(1, 2, 4, 8, 16),
                                           software=software) if pred.fits]  # fmt: skip
         first[kernel] = runnable[0]

@@ -61,9 +61,9 @@ def parser() -> argparse.ArgumentParser:
     add("--optimizer", choices=sorted(OPTIMIZER_STATE), default="adam")
     add("--framework", choices=FRAMEWORKS, default="torch",
         help="whose sequence parallelism, selective recomputation and pipeline rules: torch's (default: DTensor, its "
-        "checkpoint policy, PipelineStage, which keeps ZeRO-2/3 from sharding gradients under a pipeline) or "
-        "Megatron-LM's (as the published runs used; ZeRO-2/3 under a pipeline reduce-scatter every micro-batch, as "
-        "Llama 3)")  # fmt: skip
+        "checkpoint policy, PipelineStage, which keeps ZeRO-2/3 from sharding gradients under a pipeline), "
+        "Megatron-LM's (ZeRO-1 at most under a pipeline; interleaving needs m a multiple of pp) or llama3, Meta's "
+        "(Megatron-LM's activations; ZeRO-2/3 under a pipeline reduce-scatter every micro-batch; any m)")  # fmt: skip
     add("--attention-kernel", choices=ATTENTION_KERNELS, default="fa2",
         help="the fused attention kernel: fa2, FlashAttention-2 (default; 35%% of an H100's peak) or fa3, "
         "FlashAttention-3 (75%%, Hopper only), from Shah et al. 2024 (arXiv:2407.08608)")  # fmt: skip

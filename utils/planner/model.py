@@ -6,9 +6,11 @@ from dataclasses import dataclass
 RECOMPUTE = ("none", "selective", "full")
 # Whose sequence parallelism and selective recomputation (utils.planner.memory.activation_bytes_per_layer), and what
 # its pipeline allows (utils.planner.search.check_layout): torch's PipelineStage defers FSDP's reduce-scatter to the
-# last micro-batch, so ZeRO-2/3 under it hold what ZeRO-1 holds; "megatron" stands for the Megatron-like stacks of the
-# published runs, Llama 3's among them, which shard gradients under a pipeline (one reduce-scatter a micro-batch).
-FRAMEWORKS = ("torch", "megatron")
+# last micro-batch, so ZeRO-2/3 under it hold what ZeRO-1 holds; Megatron-LM's distributed optimizer is ZeRO-1 and
+# its interleaved schedule needs m a multiple of pp; "llama3" is Meta's stack as Llama 3's report describes it
+# (section 3.3.2): Megatron-LM's sequence parallelism and recomputation, gradients sharded under the pipeline (one
+# reduce-scatter a micro-batch), and an interleaved schedule that takes any number of micro-batches.
+FRAMEWORKS = ("torch", "megatron", "llama3")
 # The fused attention kernel (utils.planner.hardware.ATTENTION_PEAK_FRACTION: the share of peak each one reaches).
 ATTENTION_KERNELS = ("fa2", "fa3")
 # What hides the MoE all-to-alls (utils.planner.timing.all_to_all_seconds): nothing, or another micro-batch's compute.
@@ -93,7 +95,7 @@ class Layout:
     ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts, inside dp x cp
     virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank (1: plain 1F1B)
     fused_attention: bool = True  # a fused attention kernel (no stored scores); False: the s x s scores are kept
-    framework: str = "torch"  # whose sequence parallelism and selective recomputation: torch or megatron
+    framework: str = "torch"  # whose sequence parallelism, recomputation and pipeline rules: FRAMEWORKS
     ep_overlap: str = "none"  # what hides the MoE all-to-alls: none, or another micro-batch's compute (DualPipe)
     attention_kernel: str = "fa2"  # which fused kernel: FlashAttention-2 (fa2) or -3 (fa3, Hopper GPUs only)
 

@@ -7,11 +7,13 @@ ZeRO-2/3 under a pipeline depends on the framework (Layout.framework), not on th
   micro-batch's backward, so full gradients are held across micro-batches (and torchtitan keeps the parameters
   gathered under PP: reshard_after_forward = not pp): ZeRO-2/3 would hold what ZeRO-1 holds, and check_layout refuses
   them with that reason. DeepSpeed's pipeline engine refuses ZeRO-2/3 outright.
-- megatron (the Megatron-like stacks of the published runs): Llama 3 shards gradients under its pipeline (section
-  3.3.2), one reduce-scatter of the stage's gradients a micro-batch, m times the traffic of one, which predict prices
-  as it prices ZeRO-2/3 under gradient accumulation at pp = 1. (Megatron-LM's own distributed optimizer is ZeRO-1.)
+- megatron: Megatron-LM's distributed optimizer shards the optimizer state only (ZeRO-1): ZeRO-2/3 refused.
+- llama3: Llama 3 shards gradients under its pipeline (section 3.3.2), one reduce-scatter of the stage's gradients a
+  micro-batch, m times the traffic of one, which predict prices as it prices ZeRO-2/3 under gradient accumulation at
+  pp = 1.
 The interleaved schedule's micro-batch rule is a framework's too: Megatron-LM needs m a multiple of p; torch's
-ScheduleInterleaved1F1B only m a multiple of its rounds, m // p (timing.bubble_by_microbatches: the bubble against m).
+ScheduleInterleaved1F1B only m a multiple of its rounds, m // p (timing.bubble_by_microbatches: the bubble against m);
+Llama 3's schedule takes any m (section 3.3.2, its Figure 6).
 """
 
 import itertools
@@ -67,7 +69,12 @@ def check_layout(model: Model, cluster: Cluster, layout: Layout, global_batch: i
     if pp > 1 and layout.zero >= 2 and layout.framework == "torch":
         return (
             f"ZeRO-{layout.zero} under torch's pipeline holds what ZeRO-1 holds (pp={pp}: PipelineStage keeps full "
-            "gradients until the last micro-batch; use ZeRO-1, or framework megatron: a reduce-scatter a micro-batch)"
+            "gradients until the last micro-batch; use ZeRO-1, or framework llama3: a reduce-scatter a micro-batch)"
+        )
+    if pp > 1 and layout.zero >= 2 and layout.framework == "megatron":
+        return (
+            f"ZeRO-{layout.zero} under Megatron-LM's pipeline (pp={pp}: its distributed optimizer is ZeRO-1; "
+            "framework llama3 shards gradients there)"
         )
     if layout.recompute not in RECOMPUTE:
         return f"unknown recomputation ({layout.recompute!r}, not one of {RECOMPUTE})"
@@ -112,7 +119,7 @@ def enumerate_layouts(
 ):
     """Every (tp, pp, cp, dp) whose product is the GPU count for each cp of `cps`, with each ep of `eps`, micro-batch
     size, ZeRO stage, recomputation and number of virtual stages (v > 1 only where pp > 1). A cp that does not divide
-    the GPUs left by tp x pp is skipped. software: Layout fields every layout gets, e.g. {"framework": "megatron",
+    the GPUs left by tp x pp is skipped. software: Layout fields every layout gets, e.g. {"framework": "llama3",
     "fused_attention": False}."""
     for tp, pp in itertools.product(divisors(cluster.gpus), repeat=2):
         if cluster.gpus % (tp * pp):
