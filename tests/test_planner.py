@@ -894,6 +894,9 @@ def test_the_bubble_against_micro_batches_and_whose_rule_limits_them():
         assert torch is None and llama3 is None, (torch, llama3)  # Llama 3's schedule takes any m (its Figure 6)
         assert (megatron is None) if m == 24 else megatron.startswith("Megatron-LM's interleaving"), (m, megatron)
     assert check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, 9, zero=0, virtual_stages=2), 9) is None  # 1 round
+    few = check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, 4, zero=0), 4)  # plain 1F1B, m < p
+    assert few.startswith("torch's Schedule1F1B needs at least pp micro-batches"), few
+    assert check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, 4, zero=0, framework="megatron"), 4) is None  # capped
     odd = check_layout(LLAMA70, H100x64, Layout(1, 8, 8, 1, 17, zero=0, virtual_stages=2), 17)  # 2 rounds of 8
     assert odd.startswith("torch's interleaving"), odd
     line = bubble_lines(16, 1)

@@ -11,7 +11,8 @@ ZeRO-2/3 under a pipeline depends on the framework (Layout.framework), not on th
 - llama3: Llama 3 shards gradients under its pipeline (section 3.3.2), one reduce-scatter of the stage's gradients a
   micro-batch, m times the traffic of one, which predict prices as it prices ZeRO-2/3 under gradient accumulation at
   pp = 1.
-The interleaved schedule's micro-batch rule is a framework's too: Megatron-LM needs m a multiple of p; torch's
+The schedules' micro-batch rules are a framework's too: torch's Schedule1F1B refuses m < p (Megatron-LM's 1F1B caps
+its warm-up at m instead). The interleaved schedule's: Megatron-LM needs m a multiple of p; torch's
 ScheduleInterleaved1F1B only m a multiple of its rounds, m // p (timing.bubble_by_microbatches: the bubble against m);
 Llama 3's schedule takes any m (section 3.3.2, its Figure 6).
 """
@@ -56,6 +57,8 @@ def check_layout(model: Model, cluster: Cluster, layout: Layout, global_batch: i
         return f"stages do not split into v chunks ({math.ceil(model.layers / pp)} layers a stage, v={v})"
     if v > 1 and layout.framework == "megatron" and layout.microbatches % pp:
         return f"Megatron-LM's interleaving needs micro-batches in multiples of pp (m={layout.microbatches}, pp={pp})"
+    if pp > 1 and v == 1 and layout.framework == "torch" and layout.microbatches < pp:
+        return f"torch's Schedule1F1B needs at least pp micro-batches (m={layout.microbatches}, pp={pp})"
     rounds = max(1, layout.microbatches // pp)
     if v > 1 and layout.framework == "torch" and layout.microbatches % rounds:
         return (
