@@ -151,12 +151,13 @@ def test_where_a_source_is_silent_the_range_is_shown(rows):
 
 
 def test_llama3_is_compared_with_flashattention_2_which_its_128k_row_supports():
-    """Llama 3's paper names no attention kernel; the data assumes FlashAttention-2. Under FlashAttention-3 (75 % of an
-    H100's peak against 35 %) the 128K row, where the attention is most of the work, would be predicted far above its
-    published MFU (outside the tolerance), while the 8K rows move by a few points: the published figure supports the
-    assumption. ZeRO-2 under the pipeline, which the planner now offers for Llama 3's framework, is not what reproduces
-    Table 4 either: one reduce-scatter a micro-batch of fp32 gradients over dp 64 or 128 across nodes would put the 8K
-    rows well below their MFU, so the data keeps ZeRO-1 (gradients reduce-scattered once a step)."""
+    """Llama 3's paper names no attention kernel; the data assumes FlashAttention-2. Under FlashAttention-3 (648 and 561
+    TFLOP/s forward and backward on an H100, against 370 and 322) the 128K row, where the attention is most of the
+    work, would be predicted far above its published MFU (outside the tolerance), while the 8K rows move by a few
+    points: the published figure supports the assumption. ZeRO-2 under the pipeline, which the planner offers for
+    Llama 3's framework, is not what reproduces Table 4 either: one reduce-scatter a micro-batch of fp32 gradients over
+    dp 64 or 128 across nodes would put the 8K rows well below their MFU, so the data keeps ZeRO-1 (gradients
+    reduce-scattered once a step)."""
     families = DATA["families"]
     assert families["llama3"]["as_run"]["attention_kernel"] == "fa2"
 

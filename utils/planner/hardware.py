@@ -22,18 +22,21 @@ RESERVE_FRACTION = 0.05
 # the optimizer step, data loading, launch gaps, clocks under power limits.
 MATMUL_EFFICIENCY = 0.6
 # A fused attention kernel runs its FLOPs at its own rate, and which kernel runs is a choice (Layout.attention_kernel).
-# ATTENTION_SPEED is each kernel's FLOP rate as a share of cuBLAS's large matmuls on the same GPU (about 80 % of an
-# A100's peak, 75 % of an H100's), so that the planner's in-loop matmul efficiency scales both alike:
-# - fa2, FlashAttention-2: 50-73 % of an A100's peak forward, less backward (Dao 2023, arXiv:2307.08691): about
-#   60 % / 80 % = 0.75; only about 35 % of an H100's (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608,
-#   section 1): 35 % / 75 % = 0.47. The planner's default, and what utils/published_runs.py assumes for Llama 3.
-# - fa3, FlashAttention-3 (the same paper): up to 740 TFLOP/s in bf16 forward on an H100, 75 % of its peak: as fast
-#   as cuBLAS (1.0). Hopper only (it uses the H100's asynchronous copies and warpgroup matmuls). The headline is the
-#   forward's at its best head size; its backward is slower, so 1.0 is the kernel's ceiling, not its average.
-# cuDNN's fused attention is left out: no figure of NVIDIA's for bf16 training on an H100 was found to cite.
+# ATTENTION_SPEED is each kernel's FLOP rate, forward and backward, as a share of cuBLAS's large matmuls on the same
+# GPU (about 80 % of an A100's peak, 75 % of an H100's, 742 TFLOP/s), so that the planner's in-loop matmul efficiency
+# scales both alike. Each kernel's rates count the FLOPs as the FlashAttention papers do (backward 2.5 x forward).
+# - fa2, FlashAttention-2 on an A100: 50-73 % of its peak (Dao 2023, arXiv:2307.08691), about 60 % / 80 % = 0.75
+#   both ways. On an H100 (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, its speed figures for head
+#   dimension 128, bf16/fp16, 16K tokens): 370 TFLOP/s forward, 322 backward: 0.50 and 0.43. The planner's default,
+#   and what utils/published_runs.py assumes for Llama 3.
+# - fa3, FlashAttention-3 (the same figures): 648 TFLOP/s forward, 561 backward: 0.87 and 0.76. Hopper only (it uses
+#   the H100's asynchronous copies and warpgroup matmuls). Its headline 740 TFLOP/s is the forward at head size 256.
+# - cudnn, cuDNN's fused attention as that paper measured it beside FlashAttention-3 (same figures): 595 forward, 516
+#   backward: 0.80 and 0.70. Listed for Hopper, where it was measured.
 ATTENTION_SPEED = {
-    "fa2": {"A100": 0.75, "H100": 0.47, "H200": 0.47, "H800": 0.47},
-    "fa3": {"H100": 1.0, "H200": 1.0, "H800": 1.0},
+    "fa2": {"A100": (0.75, 0.75), "H100": (0.50, 0.43), "H200": (0.50, 0.43), "H800": (0.50, 0.43)},
+    "fa3": {"H100": (0.87, 0.76), "H200": (0.87, 0.76), "H800": (0.87, 0.76)},
+    "cudnn": {"H100": (0.80, 0.70), "H200": (0.80, 0.70), "H800": (0.80, 0.70)},
 }
 
 
@@ -77,7 +80,7 @@ class Cluster:
     inter_latency: float = 10e-6  # seconds per message between nodes
     matmul_efficiency: float = MATMUL_EFFICIENCY  # share of peak the matmuls reach in a training loop
     hbm_bandwidth: float = 3.35e12  # bytes/s of the GPU's own memory
-    attention_speeds: tuple = kernel_speeds("H100")  # (kernel, its FLOP rate as a share of the matmuls')
+    attention_speeds: tuple = kernel_speeds("H100")  # (kernel, (forward, backward) FLOP rate as shares of matmuls')
     name: str = "H100 SXM 80GB"
 
     @classmethod
@@ -104,15 +107,16 @@ class Cluster:
         streams its weights instead of computing. The backward's two products have the same three dimensions."""
         return max(2 * m * k * n / self.matmul_flops, 2 * (m * k + k * n + m * n) / self.hbm_bandwidth)
 
-    def attention_flops(self, kernel: str | None) -> float:
-        """FLOP/s of the attention's scores and their product with V: the fused kernel's (ATTENTION_SPEED), or
-        batched matmuls' (kernel None: unfused)."""
+    def attention_flops(self, kernel: str | None, backward: bool = False) -> float:
+        """FLOP/s of the attention's scores and their product with V, forward or backward: the fused kernel's
+        (ATTENTION_SPEED; one number stands for both directions), or batched matmuls' (kernel None: unfused)."""
         if kernel is None:
             return self.matmul_flops
         speeds = dict(self.attention_speeds)
         if kernel not in speeds:
             raise ValueError(f"attention kernel {kernel!r} does not run on {self.name}: one of {', '.join(speeds)}")
-        return self.matmul_flops * speeds[kernel]
+        speed = speeds[kernel]
+        return self.matmul_flops * (speed[backward] if isinstance(speed, tuple) else speed)
 
     def link(self, inside_node: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the link a group uses: the slow one as soon as it leaves a node."""

@@ -12,7 +12,7 @@ RECOMPUTE = ("none", "selective", "full")
 # reduce-scatter a micro-batch), and an interleaved schedule that takes any number of micro-batches.
 FRAMEWORKS = ("torch", "megatron", "llama3")
 # The fused attention kernel (utils.planner.hardware.ATTENTION_PEAK_FRACTION: the share of peak each one reaches).
-ATTENTION_KERNELS = ("fa2", "fa3")
+ATTENTION_KERNELS = ("fa2", "fa3", "cudnn")
 # What hides the MoE all-to-alls (utils.planner.timing.all_to_all_seconds): nothing, or another micro-batch's compute.
 EP_OVERLAP = ("none", "compute")
 

@@ -104,14 +104,14 @@ def ring_attention_seconds(model: Model, cluster: Cluster, layout: Layout) -> fl
     bandwidth, latency = cluster.link(inside_one_node(t, cp, cluster.gpus_per_node))
     step_bytes = 2 * 2 * s / cp * b * model.hidden * model.kv_fraction / t  # K and V chunks, 16-bit
     transfer = latency + step_bytes / bandwidth
-    rank_attention = (
-        attention_flops(model, layout)[1] * (s / cp) * b / t / cluster.attention_flops(attention_kernel(layout))
-    )
-    per_step = rank_attention / cp
+    rank_flops = attention_flops(model, layout)[1] * (s / cp) * b / t
+    kernel = attention_kernel(layout)
+    per_step = rank_flops / cluster.attention_flops(kernel) / cp
     backward_ratio = 2.5 if layout.fused_attention else 2
+    per_step_backward = backward_ratio * rank_flops / cluster.attention_flops(kernel, backward=True) / cp
     forward = (cp - 1) * max(0.0, transfer - per_step)
     backward_transfer = 2 * latency + (1 + FP32_GRADIENT_HOPS) * step_bytes / bandwidth  # K, V; dK, dV in fp32
-    backward = (cp - 1) * max(0.0, backward_transfer - backward_ratio * per_step)
+    backward = (cp - 1) * max(0.0, backward_transfer - per_step_backward)
     return forward * (2 if layout.recompute == "full" else 1) + backward
 
 
@@ -203,18 +203,22 @@ def stage_work(model: Model, cluster: Cluster, layout: Layout, stage: int, layer
     if layout.fused_attention:  # the norms and the activation function, again
         moved_recomputed["selective"] = layers * values_bytes / 2
 
-    # The attention's FLOPs at the attention kernel's rate, the rest at the matmuls'.
+    # The attention's FLOPs at the attention kernel's rates (its forward's, its backward's), the rest at the matmuls'.
     attention_forward = layers * attention
     rebuilt = layout.recompute == "full" or (layout.recompute == "selective" and not layout.fused_attention)
-    attention_later = layers * attention * (attention_backward + rebuilt)  # backward, and the rebuilt forward
-    attention_rate = cluster.attention_flops(attention_kernel(layout))
+    kernel = attention_kernel(layout)
+    attention_rate, attention_backward_rate = cluster.attention_flops(kernel), cluster.attention_flops(kernel, True)
+    attention_later_s = (  # the backward, and the forward rebuilt for it
+        layers * attention * attention_backward / attention_backward_rate
+        + layers * attention * rebuilt / attention_rate
+    )
     overhead = layers * KERNELS_PER_LAYER * KERNEL_OVERHEAD_S
     forward_s = (
         matmul_s + attention_forward / attention_rate + moved_forward / cluster.hbm_bandwidth + overhead / 3
     )  # fmt: skip
     backward_s = (
         2 * matmul_s + (layers * layer_matmul_s if layout.recompute == "full" else 0.0)
-        + attention_later / attention_rate
+        + attention_later_s
         + (2 * moved_forward + moved_recomputed[layout.recompute]) / cluster.hbm_bandwidth
         + overhead * (2 / 3 + (1 / 3 if layout.recompute == "full" else 0))
     )  # fmt: skip
