@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.harness.launch import ROOT, course_env, python, torchrun
+from tests.harness.launch import ROOT, course_env, finished, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext
 from utils.data import load_token_dataset
 from utils.metrics import param_checksum
@@ -27,13 +27,6 @@ def baseline(lesson, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lesson00")
     args = ["--steps", STEPS, "--log-dir", tmp / "runs", "--checkpoint", tmp / "model.pt"]
     return torchrun(lesson("00"), 1, args, tmp_path=tmp), tmp
-
-
-def finished(run, todo: int):
-    """The run's metrics, or a failure that names the TODO the run stopped at (else `todo`)."""
-    stopped_at = next((f"TODO {n}" for n in (1, 2, 3) if f"TODO {n}:" in run.output), None)
-    assert run.returncode == 0, f"{stopped_at or f'TODO {todo}'}: the run failed. Its last lines:\n{run.tail()}"
-    return run.metrics
 
 
 def reference_losses(steps: int, autocast: bool, mistake: str | None = None) -> list[float]:

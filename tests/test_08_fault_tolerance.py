@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from tests.harness import launch
-from tests.harness.launch import ROOT, Run, _run, course_env, python
+from tests.harness.launch import ROOT, Run, _run, course_env, finished, python
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
 from utils.course.lessons import load_script
 from utils.course.notebook import kill_tree
@@ -130,13 +130,6 @@ def call(todo: int, function, *args, **kwargs):
         return function(*args, **kwargs)
     except NotImplementedError as error:
         pytest.fail(f"TODO {str(error).split(':')[0].removeprefix('TODO ')}: not done yet ({error})", pytrace=False)
-
-
-def finished(result: Run, what: str) -> dict:
-    stopped = re.search(r"(TODO \d+):", result.output)
-    name = stopped.group(1) if stopped else what
-    assert result.returncode == 0, f"{name}: the run failed. Its last lines:\n{result.tail()}"
-    return result.metrics
 
 
 def tiny_training(module, steps: int = 2):

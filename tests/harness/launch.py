@@ -62,16 +62,18 @@ class Run:
         return self
 
 
-def finished(result: Run, todo: int) -> dict:
+def finished(result: Run, todo: int | str) -> dict:
     """The run's metrics, or a failure naming the TODO whose code raised, else the TODO the run stopped at, else
-    `todo`: what a learner's `make check` line shows when a lesson run fails."""
+    `todo` (a TODO's number, or words for a run that checks no one TODO: "the reference run"): what a learner's
+    `make check` line shows when a lesson run fails."""
+    checking = f"TODO {todo}" if isinstance(todo, int) else todo
     if result.returncode != 0:
         blame = result.blame()
         if blame:
             lines = result.tail(blamed=False)
-            raise AssertionError(f"{blame}\n(the run checking TODO {todo} failed there) Its last lines:\n{lines}")
+            raise AssertionError(f"{blame}\n(the run checking {checking} failed there) Its last lines:\n{lines}")
         stopped = re.search(r"TODO (\d+):", result.output)
-        name = f"TODO {stopped.group(1)}" if stopped else f"checking TODO {todo}"
+        name = f"TODO {stopped.group(1)}" if stopped else f"checking {checking}"
         tail = result.tail()
         # make check shows the first line only: put the run's last error on it, so that the line is never empty
         errors = [line.strip() for line in tail.splitlines() if re.search(r"(Error|Exception|error|ERROR)\b.*:", line)]
