@@ -98,38 +98,103 @@ def max_difference(a: dict, b: dict) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# The known mistakes of TODOs 1 to 4, each as the answer it gives, with its cause in the learner's terms: a failure
+# whose answer is one mistake's names that cause (": as if ..."), never a guess.
+def as_if(got, mistakes: dict, *case) -> str:
+    """The causes (": as if ...") of the known mistakes whose answer for this case, mistake(*case), is `got`."""
+    causes = [cause for cause, mistake in mistakes.items() if mistake(*case) == got]
+    return ": as if " + " or ".join(causes) if causes else ""
+
+
+def first_difference(got: list, want: list, name: str = "step") -> str:
+    """Where two lists first differ, in words: "step 2 is ('B', 1), want ('B', 0)"."""
+    index = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if index == len(want):
+        return f"{len(got)} {name}s, want {len(want)}: {name} {index} is {got[index]}, one too many"
+    if index == len(got):
+        return f"{len(got)} {name}s, want {len(want)}: {name} {index} ({want[index]}) is missing"
+    return f"{name} {index} is {got[index]}, want {want[index]}"
+
+
+PARTITION_MISTAKES = {  # cause: the ranges it gives for (n_layers, n_stages)
+    "the spare blocks (n_layers % n_stages) belonged to no stage": lambda n, s: [
+        (i * (n // s), (i + 1) * (n // s)) for i in range(s)
+    ],
+    "the last stage took every spare block": lambda n, s: [
+        (i * (n // s), (i + 1) * (n // s) if i < s - 1 else n) for i in range(s)
+    ],
+}
+
+
 def check_todo1(script):
     for n_layers in range(1, 13):
         for n_stages in range(1, n_layers + 1):
             ranges = [tuple(piece) for piece in call(1, script.partition, n_layers, n_stages)]  # any pairs
             sizes = [end - start for start, end in ranges]
             where = f"TODO 1: partition({n_layers}, {n_stages}) returned {ranges}"
-            assert len(ranges) == n_stages and ranges[0][0] == 0 and ranges[-1][1] == n_layers, (
-                f"{where}: expected {n_stages} ranges covering blocks 0 to {n_layers - 1}, from (0, ...) to (..., "
-                f"{n_layers})"
+            cause = as_if(ranges, PARTITION_MISTAKES, n_layers, n_stages)
+            assert len(ranges) == n_stages, f"{where}: {len(ranges)} ranges, want one for each of {n_stages} stages"
+            assert ranges[0][0] == 0, f"{where}: the first range starts at {ranges[0][0]}, want 0{cause}"
+            end = ranges[-1][1]
+            assert end == n_layers, (
+                f"{where}: the last range ends at {end}, want {n_layers}"
+                + (
+                    f" (block {end}{f' to {n_layers - 1}' if n_layers - end > 1 else ''} in no stage)"
+                    if end < n_layers
+                    else ""
+                )
+                + cause
             )
             gaps = [(a, b) for a, b in zip(ranges, ranges[1:]) if a[1] != b[0]]
             assert not gaps, f"{where}: not contiguous, {gaps[0][0]} is followed by {gaps[0][1]}"
             assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1, (
-                f"{where}: sizes {sizes}, expected every stage at least one block and no two differing by more than one"
+                f"{where}: stage sizes {sizes}, want {n_layers // n_stages} or {-(-n_layers // n_stages)} blocks "
+                f"each{cause}"
             )
 
 
+GPIPE_MISTAKES = {  # cause: the steps it gives for m micro-batches
+    "the backwards ran newest micro-batch first": lambda m: (
+        [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+    ),
+    "each forward were followed at once by its backward (no two micro-batches in flight)": lambda m: [
+        step for i in range(m) for step in (("F", i), ("B", i))
+    ],
+}
+
+
 def check_todo2(script):
-    expected = [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
-    got = steps_of(2, script.gpipe_steps, 3, 2, 1)
-    assert got == expected, (
-        f"TODO 2: gpipe_steps(p=3, m=2, rank=1) returned {got}, expected {expected}: every forward, then every "
-        "backward, micro-batches in order"
-    )
+    cases = [(3, 2, 1)] + [(n, m, r) for n in range(1, 7) for m in range(1, 10) for r in range(n)]
+    for p, m, rank in cases:
+        got = steps_of(2, script.gpipe_steps, p, m, rank)
+        expected = reference_step_lists(p, m, "gpipe", rank)
+        assert got == expected, (
+            f"TODO 2: gpipe_steps(p={p}, m={m}, rank={rank}) returned {got}: {first_difference(got, expected)}"
+            f"{as_if(got, GPIPE_MISTAKES, m)}"
+        )
     for p in range(1, 7):
         for m in range(1, 10):
-            for rank in range(p):
-                got = steps_of(2, script.gpipe_steps, p, m, rank)
-                expected = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-                assert got == expected, f"TODO 2: gpipe_steps(p={p}, m={m}, rank={rank}) returned {got}, not {expected}"
             _, bubble = script.simulate("gpipe", p, m)
             assert bubble == Fraction(p - 1, m + p - 1), f"TODO 2: GPipe p={p} m={m}: idle {bubble} != (p-1)/(m+p-1)"
+
+
+def one_f_one_b_with(warmup: int, m: int, steady_backward=lambda warmup, i: i) -> list:
+    """1F1B's code with a given warm-up (and the steady phase's backward of step i): what a mistake there gives."""
+    steps = [("F", mb) for mb in range(warmup)]
+    for i in range(m - warmup):
+        steps += [("F", warmup + i), ("B", steady_backward(warmup, i))]
+    return steps + [("B", mb) for mb in range(m - warmup, m)]
+
+
+ONE_F_ONE_B_MISTAKES = {  # cause: the steps it gives for (p, m, rank)
+    "the warm-up held one forward too many": lambda p, m, r: one_f_one_b_with(min(p - r, m), m),
+    "the warm-up were not limited to the m micro-batches (forwards of micro-batches that do not exist)": (
+        lambda p, m, r: one_f_one_b_with(p - r - 1, m)
+    ),
+    "the steady phase ran the backward of the newest micro-batch, not the oldest": lambda p, m, r: one_f_one_b_with(
+        min(p - r - 1, m), m, lambda warmup, i: warmup + i
+    ),
+}
 
 
 def check_todo3(script):
@@ -137,24 +202,27 @@ def check_todo3(script):
         for m in range(1, 10):
             for rank in range(p):
                 steps = steps_of(3, script.one_f_one_b_steps, p, m, rank)
+                expected = reference_step_lists(p, m, "1f1b", rank)
+                if steps == expected:
+                    continue
                 where = f"TODO 3: one_f_one_b_steps(p={p}, m={m}, rank={rank}) returned {steps}"
+                cause = f"{first_difference(steps, expected)}{as_if(steps, ONE_F_ONE_B_MISTAKES, p, m, rank)}"
                 assert sorted(steps) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]), (
-                    f"{where}: expected one F and one B for each of the {m} micro-batches"
+                    f"{where}: not one F and one B for each of the {m} micro-batches; {cause}"
                 )
                 forwards = [mb for kind, mb in steps if kind == "F"]
-                assert forwards == list(range(m)), f"{where}: forwards in the order {forwards}, expected 0 to {m - 1}"
+                assert forwards == list(range(m)), f"{where}: forwards in the order {forwards}; {cause}"
                 late = [i for i in range(m) if steps.index(("B", i)) < steps.index(("F", i))]
-                assert not late, f"{where}: B{late[0]} runs before F{late[0]}"
+                assert not late, f"{where}: B{late[0]} runs before F{late[0]}; {cause}"
                 warmup = next((i for i, (kind, _) in enumerate(steps) if kind == "B"), len(steps))
                 assert warmup == min(p - rank, m), (
-                    f"{where}: {warmup} forwards before the first backward, expected {min(p - rank, m)} "
-                    f"({min(p - rank - 1, m)} warm-up forwards, then one F and one B)"
+                    f"{where}: {warmup} forwards before the first backward, want {min(p - rank, m)}; {cause}"
                 )
                 held = script.in_flight(steps)
                 assert held == min(p - rank, m), (
-                    f"{where}: holds up to {held} micro-batches, expected at most {min(p - rank, m)}: the oldest "
-                    "backward as soon as it can run"
+                    f"{where}: holds up to {held} micro-batches, want at most {min(p - rank, m)}; {cause}"
                 )
+                pytest.fail(f"{where}: {cause}", pytrace=False)
             _, bubble = script.simulate("1f1b", p, m)
             assert bubble == Fraction(p - 1, m + p - 1), f"TODO 3: 1F1B p={p} m={m}: idle {bubble} != (p-1)/(m+p-1)"
 
@@ -179,6 +247,50 @@ def reference_step_lists(p: int, m: int, schedule: str, rank: int):
     return steps + [("B", i) for i in range(m - warmup, m)]
 
 
+def plan_with(steps, rank: int, p: int, backward_peers=True, send_later=True, gradient_label="gradient") -> list:
+    """The point-to-point plan by definition (not the learner's TODO 4), or with one known mistake: gradients
+    exchanged with the neighbours activations use (backward_peers=False), a result sent in the batch of the step
+    that computes it (send_later=False), gradients labelled as something else. Batches as sorted lists of tuples."""
+    previous, following = (rank - 1 if rank > 0 else None), (rank + 1 if rank < p - 1 else None)
+    batches: list[list] = [[] for _ in range(len(steps) + 1)]
+    for i, (kind, mb) in enumerate(steps):
+        forward = kind == "F" or not backward_peers
+        source, target = (previous, following) if forward else (following, previous)
+        what = "activation" if kind == "F" else gradient_label
+        if source is not None:
+            batches[i].append(("recv", source, what, mb))
+        if target is not None:
+            batches[i + send_later].append(("send", target, what, mb))
+    return [sorted(batch, key=repr) for batch in batches]
+
+
+P2P_MISTAKES = {  # cause: the plan it gives for (steps, rank, p)
+    "a backward's gradient came from the previous rank and went to the following one, as activations do": (
+        lambda steps, rank, p: plan_with(steps, rank, p, backward_peers=False)
+    ),
+    "each result were sent in the batch posted before the step that computes it": (
+        lambda steps, rank, p: plan_with(steps, rank, p, send_later=False)
+    ),
+    "gradients were labelled as activations": lambda steps, rank, p: plan_with(
+        steps, rank, p, gradient_label="activation"
+    ),
+}
+
+
+def in_words(batch) -> str:
+    """A batch of the plan in words: "[send activation 0 to rank 1, receive gradient 0 from rank 1]"."""
+
+    def words(operation) -> str:
+        if len(operation) != 4:
+            return repr(operation)
+        op, peer, what, mb = operation
+        if op not in ("send", "recv"):
+            return repr(operation)
+        return f"send {what} {mb} to rank {peer}" if op == "send" else f"receive {what} {mb} from rank {peer}"
+
+    return "[" + ", ".join(map(words, batch)) + "]"
+
+
 def check_todo4(script):
     for schedule in ("gpipe", "1f1b"):
         for p in range(1, 7):
@@ -186,25 +298,22 @@ def check_todo4(script):
                 step_lists = [reference_step_lists(p, m, schedule, r) for r in range(p)]
                 plans = [call(4, script.p2p_plan, step_lists[r], r, p) for r in range(p)]
                 for rank, (steps, plan) in enumerate(zip(step_lists, plans)):
-                    assert len(plan) == len(steps) + 1, f"TODO 4: one batch per step plus one: {plan}"
-                    for index, batch in enumerate(plan):
-                        for op, peer, what, mb in batch:
-                            forward = (what == "activation") == (op == "send")  # activations go r -> r + 1
-                            assert peer == (rank + 1 if forward else rank - 1), (
-                                f"TODO 4: rank {rank} {'sends' if op == 'send' else 'receives'} {what} {mb} "
-                                f"{'to' if op == 'send' else 'from'} rank {peer}: activations go forward (r to "
-                                "r + 1), gradients backward (r + 1 to r)"
-                            )
-                            produced = ("F" if what == "activation" else "B", mb)
-                            needed = op == "send" and (index == 0 or steps[index - 1] != produced)
-                            assert not needed, (
-                                f"TODO 4: rank {rank} sends {what} {mb} in batch {index}, but step {index - 1} "
-                                f"is {steps[index - 1] if index else 'none'}: send a result after the step computing it"
-                            )
-                            wanted = op == "recv" and (index == len(steps) or steps[index] != produced)
-                            assert not wanted, (
-                                f"TODO 4: rank {rank} receives {what} {mb} in batch {index}, not before its step"
-                            )
+                    where = f"TODO 4: p2p_plan for {schedule} p={p} m={m}, rank {rank}"
+                    assert len(plan) == len(steps) + 1, (
+                        f"{where}: {len(plan)} batches for {len(steps)} steps, want {len(steps) + 1} (one before "
+                        "each step, one after the last)"
+                    )
+                    got = [sorted((tuple(op) for op in batch), key=repr) for batch in plan]
+                    want = plan_with(steps, rank, p)
+                    if got == want:
+                        continue
+                    i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+                    before = f"before {''.join(map(str, steps[i]))}" if i < len(steps) else "after the last step"
+                    pytest.fail(
+                        f"{where}: batch {i} ({before}) holds {in_words(got[i])}, want {in_words(want[i])}"
+                        f"{as_if(got, P2P_MISTAKES, steps, rank, p)}",
+                        pytrace=False,
+                    )
                 sent = sum(op == "send" for plan in plans for batch in plan for op, *_ in batch)
                 assert sent == 2 * m * (p - 1), (
                     f"TODO 4: p={p} m={m}: each of {p - 1} links carries m activations forward and m gradients back"
@@ -213,14 +322,11 @@ def check_todo4(script):
                     completes = rendezvous_completes(plans)
                 except AssertionError as error:
                     raise AssertionError(f"TODO 4: {schedule} p={p} m={m}: {error}") from None
-                assert completes, (
-                    f"TODO 4: {schedule} p={p} m={m}: the ranks wait for each other forever; post each step's sends "
-                    "in the batch of the next step's receive"
-                )
+                assert completes, f"TODO 4: {schedule} p={p} m={m}: the ranks wait for each other forever"
 
 
 CONFIG = ModelConfig(seq_len=16, dim=32, n_layers=4, n_heads=2)
-M = 2  # micro-batches in the one-process checks of TODOs 5 and 6
+M = 4  # micro-batches in the one-process checks of TODOs 5 and 6 (m, 2m and m * m differ)
 
 
 def two_stages(script):
@@ -238,45 +344,100 @@ def check_todo5(script):
     for mb in range(M):
         x, activation = call(5, script.forward_step, first, tokens[mb], None, M)
         assert torch.equal(x, tokens[mb]), f"TODO 5: the first stage returned the input {x}, not the tokens"
-        difference = float((activation - first(tokens[mb])).abs().max())
+        difference = float((activation - first(tokens[mb])).detach().abs().max())
         assert difference <= 1e-6, f"TODO 5: the first stage's output differs from the stage's by {difference:.1e}"
         received = activation.detach().clone()
         x, loss = call(5, script.forward_step, last, received, targets[mb], M)
-        assert isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf and torch.equal(x, received), (
-            "TODO 5: the last stage returned an input that is not the received activation as a leaf requiring grad "
-            f"(requires_grad={getattr(x, 'requires_grad', None)}, is_leaf={getattr(x, 'is_leaf', None)}): its "
-            "gradient would never reach the previous stage"
-        )
+        if not (isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf and torch.equal(x, received)):
+            state = (
+                f"a tensor with requires_grad={x.requires_grad}, is_leaf={x.is_leaf}, equal to the received "
+                f"activation: {torch.equal(x, received)}"
+                if isinstance(x, torch.Tensor)
+                else type(x).__name__
+            )
+            cause = (
+                ": as if the received activation were used as it came" if x is received and not x.requires_grad else ""
+            )
+            pytest.fail(
+                f"TODO 5: the last stage returned as its input {state}; want the received activation as a leaf that "
+                f"requires grad, whose gradient goes back to the previous stage{cause}",
+                pytrace=False,
+            )
         (through,) = torch.autograd.grad(loss, x, retain_graph=True, allow_unused=True)
         assert through is not None, "TODO 5: the loss returned does not depend on the input returned (no gradient)"
         whole = float(loss_fn(model(tokens[mb]), targets[mb]).detach())
-        assert loss.dim() == 0 and float(loss.detach()) == pytest.approx(whole / M, rel=1e-5), (
-            f"TODO 5: the last stage returns the micro-batch's loss divided by the number of micro-batches: got "
-            f"{float(loss.detach()):.5f}, micro-batch loss {whole:.5f} / {M} = {whole / M:.5f}"
-        )
+        got = float(loss.detach()) if loss.dim() == 0 else None
+        if got is None or got != pytest.approx(whole / M, rel=1e-5):
+            known = {"not divided by m": whole, "divided by m twice": whole / M / M, "divided by 2m": whole / (2 * M)}
+            causes = [cause for cause, value in known.items() if got == pytest.approx(value, rel=1e-5)]
+            pytest.fail(
+                f"TODO 5: the last stage's loss for micro-batch {mb} is "
+                f"{f'{got:.5f}' if got is not None else f'of shape {list(loss.shape)}'}, want {whole / M:.5f}, its "
+                f"share of the mean loss of m = {M} micro-batches (its own loss is {whole:.5f})"
+                + (f": as if the loss were {' or '.join(causes)}" if causes else ""),
+                pytrace=False,
+            )
+
+
+def largest_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where two tensors differ most, with both values: "most at (3, 1): got 0.1234, want 0.0567"."""
+    index = tuple(int(i) for i in torch.unravel_index((got - want).abs().argmax(), got.shape))
+    return f"most at {index}: got {float(got[index]):.4g}, want {float(want[index]):.4g}"
 
 
 def check_todo6(script):
     model, first, last, tokens, targets = two_stages(script)
     reference = build_model(CONFIG, seed=0)
     loss_fn(reference(torch.cat(tokens)), torch.cat(targets)).backward()  # one process, the whole batch
+    summed = build_model(CONFIG, seed=0)  # a known mistake: the first stage backpropagates from its output's sum
+    summed_first = script.Stage(summed, range(0, 2), first=True, last=False)
+    summed_last = script.Stage(summed, range(2, 4), first=False, last=True)
     for mb in range(M):  # the forward done here, not with TODO 5
         activation = first(tokens[mb])
         received = activation.detach().requires_grad_()
         loss = loss_fn(last(received), targets[mb]) / M
+        summed_first(tokens[mb]).sum().backward()
+        summed_received = summed_first(tokens[mb]).detach().requires_grad_()
+        (loss_fn(summed_last(summed_received), targets[mb]) / M).backward()
+        want = summed_received.grad  # the input's gradient, as the correct backward gives it
         gradient = call(6, script.backward_step, received, loss, None)
-        assert isinstance(gradient, torch.Tensor) and gradient.shape == activation.shape, (
-            f"TODO 6: the last stage returns its input's gradient (to send back), got {type(gradient).__name__}"
-        )
-        assert call(6, script.backward_step, tokens[mb], activation, gradient) is None, (
-            "TODO 6: the first stage's input is tokens: it has no gradient to return"
-        )
+        if not (isinstance(gradient, torch.Tensor) and gradient.shape == activation.shape):
+            got = f"of shape {list(gradient.shape)}" if isinstance(gradient, torch.Tensor) else repr(gradient)
+            cause = ": as if it returned the gradient it received (None on the last stage), or nothing"
+            cause = cause if gradient is None else ""
+            pytest.fail(
+                f"TODO 6: the last stage's backward_step for micro-batch {mb} returned {got}, want its input's "
+                f"gradient of shape {list(activation.shape)}, for the previous stage{cause}",
+                pytrace=False,
+            )
+        unset = next((name for name, p in last.named_parameters() if p.grad is None), None)
+        if unset:
+            right = torch.allclose(gradient, want, rtol=1e-4, atol=1e-7)
+            pytest.fail(
+                f"TODO 6: after the last stage's backward_step for micro-batch {mb}, {unset}.grad is None, want "
+                f"the parameters' gradients too (its input's gradient is {'right' if right else 'wrong'})"
+                + (": as if the backward computed only the input's gradient" if right else ""),
+                pytrace=False,
+            )
+        returned = call(6, script.backward_step, tokens[mb], activation, gradient)
+        if returned is not None:
+            cause = ": as if it returned the gradient it received, not its input's" if returned is gradient else ""
+            pytest.fail(
+                f"TODO 6: the first stage's backward_step for micro-batch {mb} returned a {type(returned).__name__}, "
+                f"want None (its input is tokens, which have no gradient){cause}",
+                pytrace=False,
+            )
+    mistaken = all(
+        p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        for p, q in zip(model.parameters(), summed.parameters())
+    )
+    cause = ": as if the first stage backpropagated from its output's sum, not with the received gradient"
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        assert p.grad is not None, f"TODO 6: {name} got no gradient: backpropagate through the stage's parameters"
+        assert p.grad is not None, f"TODO 6: after the {M} micro-batches' backwards, {name}.grad is None"
         difference = float((p.grad - q.grad).abs().max())
         assert difference <= 1e-6, (
-            f"TODO 6: after both micro-batches' backwards, {name}.grad differs from the whole batch's by "
-            f"{difference:.1e}: backpropagate from the output with the received gradient, and let .grad add up"
+            f"TODO 6: after the {M} micro-batches' backwards, {name}.grad differs from the whole batch's by "
+            f"{difference:.1e}, {largest_difference(p.grad, q.grad)}{cause if mistaken else ''}"
         )
 
 

@@ -96,6 +96,25 @@ def deadlock(step_lists) -> str | None:
     )
 
 
+WARMUP_MISTAKES = {  # cause: the warm-up it gives (p, m, rank, cap); the exercise's own is the lab's finding
+    "the cap counted only the warm-up forwards, not the forward that follows them": lambda p, m, r, cap: min(
+        p - r - 1, cap, m
+    ),
+    "no rank warmed up": lambda p, m, r, cap: 0,
+    "the warm-up were counted from the wrong end of the pipeline (by the rank, not the stages after it)": (
+        lambda p, m, r, cap: min(r, cap - 1, m)
+    ),
+    "the warm-up were not limited to the m micro-batches": lambda p, m, r, cap: min(p - r - 1, cap - 1),
+}
+
+
+def as_if(warmups: list, p: int, m: int, cap: int) -> str:
+    """The cause, ": as if ...", when the first len(warmups) ranks' warm-ups are a known mistake's, else ""."""
+    causes = [cause for cause, mistake in WARMUP_MISTAKES.items()
+              if [mistake(p, m, r, cap) for r in range(len(warmups))] == warmups]  # fmt: skip
+    return ": as if " + " or ".join(causes) if causes else ""
+
+
 def check_warmups(capped_warmup) -> str | None:
     """The lab's grading without launching anything: None when right, else the first mistake, naming its cause.
     The live configuration first, then other pipelines (up to 6 stages, 8 micro-batches, every cap)."""
@@ -112,20 +131,28 @@ def check_warmups(capped_warmup) -> str | None:
             except Exception as error:  # noqa: BLE001 - the learner's code may raise anything
                 return f"{call} raised {type(error).__name__}: {error}"
             if not isinstance(warmup, int) or not 0 <= warmup <= m:
-                return f"{call} returned {warmup!r}: a warm-up is a number of forwards, 0 to m = {m}"
+                return (
+                    f"{call} returned {warmup!r}: a warm-up is a number of forwards, 0 to m = {m}"
+                    f"{as_if([*warmups, warmup], p, m, cap)}"
+                )
             warmups.append(warmup)
         step_lists = [steps_from_warmup(w, m) for w in warmups]
         where = f"p={p}, m={m}, max_in_flight={cap}, warm-ups {warmups}"
         stuck = deadlock(step_lists)
         if stuck:
-            return f"{where}: {stuck}"
+            return f"{where}: {stuck}{as_if(warmups, p, m, cap)}"
         if in_flight(step_lists[0]) > cap:
-            return f"{where}: rank 0 holds {in_flight(step_lists[0])} micro-batches, more than the cap"
+            return (
+                f"{where}: rank 0 holds {in_flight(step_lists[0])} micro-batches, more than the cap"
+                f"{as_if(warmups, p, m, cap)}"
+            )
         for rank, warmup in enumerate(warmups):
             best = expected_warmup(p, m, rank, cap)
             if warmup != best:
                 more = "holds more than it needs to" if warmup > best else "leaves the pipeline idle longer"
-                return f"{where}: rank {rank} warms up {warmup}, the cap allows {best} ({more})"
+                return (
+                    f"{where}: rank {rank} warms up {warmup}, the cap allows {best} ({more}){as_if(warmups, p, m, cap)}"
+                )
     return None
 
 
