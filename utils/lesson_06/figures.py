@@ -17,16 +17,19 @@ from utils.memory import human
 def communication_per_step(
     model: planner.Model, cluster: planner.Cluster, tp: int, pp: int, dp: int, mb: int, gbs: int
 ):
-    """A middle stage's rank of a tp x pp x dp layout in bf16, one step of gbs sequences in micro-batches of mb:
-    {dimension: (collectives or sends it runs, ring steps in each, bytes it sends, what waits for them)}, their
-    seconds {dimension: (inside a node, across nodes)} by the alpha-beta model, and the step's compute seconds."""
+    """A middle stage's rank of a tp x pp x dp layout in bf16 training (fp32 gradients, ZeRO-1 over dp), one step of
+    gbs sequences in micro-batches of mb: {dimension: (collectives or sends it runs, ring steps in each, bytes it
+    sends, what waits for them)}, their seconds {dimension: (inside a node, across nodes)} by the alpha-beta model,
+    and the step's compute seconds."""
     m, layers = gbs // (dp * mb), model.layers // pp  # micro-batches a replica, layers a stage
-    activation, gradients = 2 * mb * model.seq_len * model.hidden, 2 * model.params / (tp * pp)  # bf16
+    activation, params = 2 * mb * model.seq_len * model.hidden, model.params / (tp * pp)  # bf16 activations
+    buckets = math.ceil(4 * params / 25e6)  # 25 MB buckets of fp32 gradients
     per_step = {
         "TP": (4 * layers * m, 2 * (tp - 1), 4 * layers * m * 2 * (tp - 1) / tp * activation,
                "the next matmul, every time"),
         "PP": (2 * m, 1, 2 * m * activation / tp, "nothing: the next micro-batch computes"),  # SP: 1/tp of the tokens
-        "DP": (math.ceil(gradients / 25e6), 2 * (dp - 1), 2 * (dp - 1) / dp * gradients, "the last 25 MB bucket"),
+        # ZeRO-1: each bucket's fp32 gradients reduce-scattered, then the updated bf16 parameters all-gathered
+        "DP": (2 * buckets, dp - 1, (dp - 1) / dp * (4 + 2) * params, "the last 25 MB bucket"),
     }  # fmt: skip
     compute = 6 * model.params * gbs * model.seq_len / (cluster.gpus * cluster.peak_flops * cluster.matmul_efficiency)
     seconds = {dim: (n * steps * cluster.intra_latency + sent / cluster.intra_bandwidth, n * steps *
