@@ -23,12 +23,9 @@ def test_every_todo_has_two_mutants_that_apply(lesson):
     )
 
 
-# Lessons whose every mistake names the words its failing line must show (make mutants checks the words): the others'
-# lines are still to be read one by one, mistake by mistake (issue 40).
-DIAGNOSED = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "10", "11")
-
-
-@pytest.mark.parametrize("lesson", DIAGNOSED)
+# Every mistake of every lesson names the words its failing line must show (make mutants checks the words), so that
+# a learner's failing line says what differed and, for a known mistake, its cause: a new mistake or lesson too.
+@pytest.mark.parametrize("lesson", lessons())
 def test_every_mistake_names_the_words_its_failing_line_must_show(lesson):
     unnamed = [m.what for m in mutants_of(lesson) if not m.shows]
     assert not unnamed, f"lesson {lesson}: mutants without `shows` (the words their failing line must show): {unnamed}"
