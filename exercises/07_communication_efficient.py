@@ -444,5 +444,21 @@ def main():
     destroy_process_group()
 
 
+# --------------------------------------------------------------------------------------------------
+# Debugging lab: ranks that drift apart (TODO 6; the notebook's last section, `make check LESSON=07`)
+# --------------------------------------------------------------------------------------------------
+
+
+def random_k_positions(numel: int, k: int, seed: int, step: int, rank: int) -> torch.Tensor:
+    """Random-k sparsification's choice at `step`: which k of a gradient's `numel` entries this rank (`rank`)
+    sends. No positions go on the wire: utils/lesson_07/lab.py all-reduces the k values at these positions,
+    averages them and writes them back there, on live ranks."""
+    # TODO 6: lab, ranks that drift apart. With the exercise's code every rank trains without an error, yet after
+    #   the first step the ranks' parameters differ. Fix it so that every rank keeps the same model, sending k
+    #   distinct entries that change from step to step.
+    generator = torch.Generator().manual_seed(seed * 1000 + rank + step)  # seeded as QuantizeState seeds its own
+    return torch.randperm(numel, generator=generator)[:k]
+
+
 if __name__ == "__main__":
     run_main(main)

@@ -544,5 +544,32 @@ def main():
     destroy_process_group()
 
 
+# --------------------------------------------------------------------------------------------------
+# Debugging lab: ranks that drift apart (TODO 6; the notebook's last section, `make check LESSON=07`)
+# --------------------------------------------------------------------------------------------------
+
+
+def random_k_positions(numel: int, k: int, seed: int, step: int, rank: int) -> torch.Tensor:
+    """Random-k sparsification's choice at `step`: which k of a gradient's `numel` entries this rank (`rank`)
+    sends. No positions go on the wire: utils/lesson_07/lab.py all-reduces the k values at these positions,
+    averages them and writes them back there, on live ranks."""
+    # TODO 6: lab, ranks that drift apart. With the exercise's code every rank trains without an error, yet after
+    #   the first step the ranks' parameters differ. Fix it so that every rank keeps the same model, sending k
+    #   distinct entries that change from step to step.
+    # HINT 1: An all-reduce adds up the i-th value of every rank. Which entry of its gradient did each rank put at
+    #   place i, and what decided that?
+    # HINT 2: The positions must be the same on every rank and new at every step: draw them from a generator
+    #   seeded from what all ranks share (the seed and the step), never from the rank (or the global generator).
+    # HINT 3: generator = torch.Generator().manual_seed(seed * 1_000_003 + step); return
+    #   torch.randperm(numel, generator=generator)[:k].
+    # BEGIN SOLUTION
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)  # every rank draws the same positions
+    return torch.randperm(numel, generator=generator)[:k]
+    # EXERCISE
+    # generator = torch.Generator().manual_seed(seed * 1000 + rank + step)  # seeded as QuantizeState seeds its own
+    # return torch.randperm(numel, generator=generator)[:k]
+    # END SOLUTION
+
+
 if __name__ == "__main__":
     run_main(main)

@@ -27,6 +27,7 @@ from tests.harness.launch import ROOT, course_env, fresh_folder, python, torchru
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
+from utils.lesson_07.lab import failure as lab_failure
 from utils.model import ModelConfig, build_model, count_parameters
 
 CONFIG = ModelConfig(seq_len=32, dim=32, n_layers=2, n_heads=2)
@@ -741,3 +742,40 @@ def test_untouched_exercise_stops_at_todo1(tmp_path):
     assert result.returncode != 0 and "ERROR: TODO 1: a DDP communication hook is not done yet" in result.output, (
         result.tail()
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TODO 6: the debugging lab (ranks that drift apart), graded like lesson 05's
+# ---------------------------------------------------------------------------------------------------------------
+
+LAB = ROOT / "utils" / "lesson_07" / "lab.py"
+LAB_RANKS = 3
+
+
+def test_todo6_lab_ranks_keep_the_same_model(lesson, lesson07, tmp_path):
+    """The 3-rank random-k run with the learner's positions: every rank's parameters equal rank 0's after every
+    step, with k distinct positions that change from step to step."""
+    if not hasattr(lesson07, "random_k_positions"):
+        pytest.fail("TODO 6: the script has no random_k_positions (the lab at the end of the exercise)", pytrace=False)
+    env = course_env(PYTHONPATH=ROOT)  # `import utils` also for a script in another folder (--target-dir)
+    result = torchrun(LAB, LAB_RANKS, [lesson("07")], tmp_path=tmp_path, timeout=120, env=env).check()
+    message = lab_failure(result.metrics, 6)
+    assert message is None, message
+
+
+def test_the_lab_drift_is_silent_and_named_per_rank(target, request, tmp_path):
+    """The untouched lab raises nothing, yet every rank but rank 0 ends with other parameters; the verdict says so
+    per rank and names the positions as the cause."""
+    if target == "exercises" or request.config.getoption("--target-dir"):
+        pytest.skip("a property of the lab itself, checked with the solutions")
+    solution = ROOT / "solutions" / "07_communication_efficient.py"
+    exercise = tmp_path / solution.name
+    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    env = course_env(PYTHONPATH=ROOT)
+    result = torchrun(LAB, LAB_RANKS, [exercise], tmp_path=tmp_path, timeout=120, env=env).check()
+    ranks = result.metrics["ranks"]
+    assert not any(outcome["error"] for outcome in ranks), ranks
+    message = lab_failure(result.metrics, 6)
+    for rank in range(1, LAB_RANKS):
+        assert f"rank {rank}: losses " in message and "differ from rank 0's after step 1 by" in message, message
+    assert "ranks 1, 2 picked other positions than rank 0 (from step 1)" in message, message

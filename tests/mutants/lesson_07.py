@@ -7,6 +7,12 @@ COMMENT_MAY_NAME = {
     "torch": "the library itself",
 }
 
+# TODO 6's solution, line by line
+SHARED_SEED = (
+    "    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)  # every rank draws the same positions\n"
+)
+RANDPERM_K = "    return torch.randperm(numel, generator=generator)[:k]\n"
+
 MUTANTS = [
     Mutant(
         todo=1,
@@ -198,6 +204,35 @@ MUTANTS = [
         replace="        flat.div_(dist.get_world_size(group))",
         shows=("never went back",),
     ),
+    # TODO 6: the lab, random-k positions
+    Mutant(
+        todo=6,
+        what="seeded from the seed only: the same positions on every rank, but also at every step",
+        find=SHARED_SEED,
+        replace="    generator = torch.Generator().manual_seed(seed)\n",
+        shows=("same k positions", "never train"),
+    ),
+    Mutant(
+        todo=6,
+        what="no generator: the global one, seeded differently on each rank (as for dropout)",
+        find=RANDPERM_K,
+        replace="    return torch.randperm(numel)[:k]\n",
+        shows=("other positions than rank 0",),
+    ),
+    Mutant(
+        todo=6,
+        what="k positions drawn with replacement (randint): some entries sent twice",
+        find=RANDPERM_K,
+        replace="    return torch.randint(numel, (k,), generator=generator)\n",
+        shows=("repeats positions",),
+    ),
+    Mutant(
+        todo=6,
+        what="seeded from the seed and the rank, once per rank (not per step)",
+        find=SHARED_SEED,
+        replace="    generator = torch.Generator().manual_seed(seed + rank)\n",
+        shows=("other positions than rank 0",),
+    ),
 ]
 
 VARIANTS = [  # correct answers written another way: each TODO's tests must accept them
@@ -380,5 +415,27 @@ VARIANTS = [  # correct answers written another way: each TODO's tests must acce
             "        for p, piece in zip(params, flat.split([p.numel() for p in params])):\n"
             "            p.copy_(piece.view_as(p))"
         ),
+    ),
+    # TODO 6: the lab
+    Mutant(
+        todo=6,
+        what="rank 0 draws from the global generator and broadcasts its positions",
+        find=SHARED_SEED + RANDPERM_K,
+        replace="    positions = torch.randperm(numel)[:k]\n"
+        "    dist.broadcast(positions, src=0)\n"
+        "    return positions\n",
+    ),
+    Mutant(
+        todo=6,
+        what="the k largest of uniform draws from a shared generator (seed + step), sorted",
+        find=SHARED_SEED + RANDPERM_K,
+        replace="    shared = torch.Generator().manual_seed(seed + step)\n"
+        "    return torch.rand(numel, generator=shared).topk(k).indices.sort().values\n",
+    ),
+    Mutant(
+        todo=6,
+        what="multinomial without replacement from a shared generator",
+        find=RANDPERM_K,
+        replace="    return torch.multinomial(torch.ones(numel), k, replacement=False, generator=generator)\n",
     ),
 ]
