@@ -158,7 +158,8 @@ def state_of(run: dict) -> dict:
 
 def variants(entry: dict, run: dict) -> list[Layout]:
     """The published layout with every choice the source leaves open (micro-batch, virtual stages, recomputation)
-    taken over the planner's candidates; the stated ones fixed."""
+    taken over the planner's candidates; the stated ones fixed. An unstated micro-batch never leaves a pipeline
+    fewer micro-batches than stages: the bubble would be over half the step, a choice no one reports running."""
     dp, pp, batch = entry["dp"], entry["pp"], entry["global_batch"]
     micro = [entry["micro_batch"]] if entry["micro_batch"] else MICRO_BATCHES
     virtual = (
@@ -171,7 +172,7 @@ def variants(entry: dict, run: dict) -> list[Layout]:
     return [
         Layout(dp, entry["tp"], pp, b, batch // (dp * b), recompute=r, virtual_stages=v, **fixed)
         for b, v, r in itertools.product(micro, virtual, recompute)
-        if batch % (dp * b) == 0
+        if batch % (dp * b) == 0 and (entry["micro_batch"] or batch // (dp * b) >= pp)
     ]
 
 
