@@ -91,11 +91,15 @@ def _launcher_environment() -> tuple[int, int, int]:
     return 0, 0, 1
 
 
-def setup(seed: int = 0, timeout_s: float | None = None) -> tuple[int, int, torch.device, int]:
+def setup(
+    seed: int = 0, timeout_s: float | None = None, join_timeout_s: float | None = None
+) -> tuple[int, int, torch.device, int]:
     """Join the job's process group and return (local_rank, rank, device, world_size).
 
     Seeds torch with `seed + rank`, so each rank draws different random numbers (data order,
     dropout). Build models from their own seed (see utils.model) so every rank starts identical.
+    timeout_s: how long a collective (and the join) waits for the others; join_timeout_s, when longer: how long the
+    join waits, the collectives still timeout_s (the notebook's live ranks start one after another).
     """
     local_rank, rank, world_size = _launcher_environment()
     if torch.cuda.is_available():
@@ -112,18 +116,24 @@ def setup(seed: int = 0, timeout_s: float | None = None) -> tuple[int, int, torc
     else:
         backend, device = "gloo", torch.device("cpu")
     timeout_s = timeout_s or float(os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    join_s = max(timeout_s, join_timeout_s or 0)
     if not dist.is_initialized():
         try:
+            store = None
+            if join_s > timeout_s:  # the store waits join_s for every rank; the group's collectives timeout_s
+                address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+                store = dist.TCPStore(address, port, world_size, rank == 0, timedelta(seconds=join_s))
             dist.init_process_group(
                 backend,
                 rank=rank,
                 world_size=world_size,
                 timeout=timedelta(seconds=timeout_s),
+                store=store,
                 device_id=device if backend == "nccl" else None,
             )
         except (dist.DistStoreError, RuntimeError) as error:
             raise CourseError(
-                f"rank {rank}: only some of the {world_size} processes joined within {timeout_s:.0f} s "
+                f"rank {rank}: only some of the {world_size} processes joined within {join_s:.0f} s "
                 f"at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} ({type(error).__name__}). "
                 "Check that --nproc_per_node x --nnodes matches the processes you started, "
                 "and that every node can reach MASTER_ADDR."

@@ -116,11 +116,9 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG, read again for the group made now
 from utils.distributed_utils import setup
-# Joining gets at least a minute (engines start their joins one after another, on a busy machine seconds apart);
-# the group's collectives then wait timeout_s, which may be shorter (a lab shows a timeout in 3 s).
-local_rank, rank, device, world_size = setup(seed={seed}, timeout_s=max({timeout_s}, 60))
-from datetime import timedelta
-dist.distributed_c10d._set_pg_timeout(timedelta(seconds={timeout_s}))
+# Joining waits at least a minute (engines start their joins one after another, on a busy machine seconds apart);
+# the group's collectives, DETAIL's checks among them, wait timeout_s, which may be shorter (a lab's hang in 5 s).
+local_rank, rank, device, world_size = setup(seed={seed}, timeout_s={timeout_s}, join_timeout_s=60)
 """
 
 _LEAVE = """
