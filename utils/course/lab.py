@@ -15,6 +15,7 @@ left to inspect. Why DETAIL: gloo aborts the process (SIGABRT) when ranks all-ga
 DETAIL checks shapes first and raises a readable error on every rank instead.
 """
 
+import json
 import re
 import time
 
@@ -161,6 +162,17 @@ def failure(name: str, outcomes: list[dict], todo: int) -> str | None:
     if passed:
         return None
     return f"TODO {todo}: {first_cause(lines)}. Hint: {hint(name)}.\nEvery rank:\n" + "\n".join(lines)
+
+
+def write_outcomes(store, rank: int, world_size: int, outcome: dict, record: dict, path) -> None:
+    """After a live lab run: once every rank is done, gather each rank's outcome in a fresh gloo group (the lab's
+    own may be broken) and have rank 0 write {**record, "ranks": [every rank's outcome]} as JSON to `path`."""
+    wait_for_everyone(store, "lab/end", world_size, timeout_s=60)
+    dist.init_process_group("gloo", store=dist.PrefixStore("lab/results/", store), rank=rank, world_size=world_size)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, outcome)
+    if rank == 0:
+        path.write_text(json.dumps({**record, "ranks": everyone}))
 
 
 def wait_for_everyone(store, key: str, world_size: int, timeout_s: float = 120):

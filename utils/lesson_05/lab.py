@@ -17,7 +17,6 @@ NCCL's watchdog kills the process instead (utils/course/lab.py says more).
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from utils.course.lab import wait_for_everyone  # noqa: E402
+from utils.course.lab import write_outcomes  # noqa: E402
 from utils.course.lessons import lesson, load_script  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
 
@@ -257,13 +256,8 @@ def main():
         learner.capped_warmup, engine.build_stage, engine.run_steps, engine.exchange, store, rank, world_size
     )
     outcome["seconds"] = time.perf_counter() - started
-    wait_for_everyone(store, "lab/end", world_size, timeout_s=60)
-    dist.init_process_group("gloo", store=dist.PrefixStore("lab/results/", store), rank=rank, world_size=world_size)
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, outcome)
-    if rank == 0:
-        record = {"stages": world_size, "microbatches": MICROBATCHES, "max_in_flight": MAX_IN_FLIGHT}
-        args.metrics_out.write_text(json.dumps({**record, "ranks": everyone}))
+    record = {"stages": world_size, "microbatches": MICROBATCHES, "max_in_flight": MAX_IN_FLIGHT}
+    write_outcomes(store, rank, world_size, outcome, record, args.metrics_out)
     destroy_process_group()  # the course's: a barrier first, then gloo's threads let go before Python exits
 
 
