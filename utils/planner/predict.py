@@ -84,9 +84,9 @@ def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf
 
     # Stages that hold as many layers and the same ends (the embedding, the head) hold the same model state and do
     # the same work a micro-batch: each such kind is computed once (126 layers over 16 stages make 3 kinds).
-    first_of_kind = {}
-    for stage in range(p):
-        first_of_kind.setdefault((pred.stage_layers[stage], stage == 0, stage == p - 1), stage)
+    first_of_kind = {}  # each stage's kind, named by the first stage of that kind
+    kind_of = [first_of_kind.setdefault((pred.stage_layers[k], k == 0, k == p - 1), k) for k in range(p)]
+    kinds = sorted(first_of_kind.values())
 
     # Memory: the stage that needs the most is reported. Within a kind the model state and buffers are the same and
     # the activations never grow with the stage number (fewer micro-batches in flight further down the pipeline), so
@@ -101,12 +101,12 @@ def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf
             buffers = one_layer * per["grads"]
         return state, activation_bytes(model, layout, stage, pred.stage_layers[stage]), buffers
 
-    memories = {stage: stage_memory(stage) for stage in sorted(first_of_kind.values())}
+    memories = {stage: stage_memory(stage) for stage in kinds}
     pred.stage = max(memories, key=lambda k: sum(memories[k][0].values()) + memories[k][1] + memories[k][2])
     pred.model_state, pred.activations, pred.buffers = memories[pred.stage]
 
     # Compute, per micro-batch, on every stage (one of each kind); the busiest sets the pace.
-    works = {k: stage_work(model, cluster, layout, k, pred.stage_layers[k]) for k in sorted(first_of_kind.values())}
+    works = {k: stage_work(model, cluster, layout, k, pred.stage_layers[k]) for k in kinds}
     busiest = max(works, key=lambda k: works[k].forward_s + works[k].backward_s)
     work = works[busiest]
     layers_here = pred.stage_layers[busiest]
@@ -165,8 +165,7 @@ def predict(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf
     tokens = layout.dp * m * b * s
     pred.tokens_per_s = tokens / pred.step_s
     pred.model_flops = model_flops_per_token(model) * tokens
-    stage_kinds = [first_of_kind[(pred.stage_layers[k], k == 0, k == p - 1)] for k in range(p)]
-    pred.hardware_flops = sum(works[kind].flops for kind in stage_kinds) * t * cp * layout.dp * m
+    pred.hardware_flops = sum(works[kind].flops for kind in kind_of) * t * cp * layout.dp * m
     pred.mfu = pred.model_flops / pred.step_s / (cluster.gpus * cluster.peak_flops)
     pred.mfu_whole = pred.mfu * model_flops_per_token(model, whole_attention=True) / model_flops_per_token(model)
     pred.hfu = pred.hardware_flops / pred.step_s / (cluster.gpus * cluster.peak_flops)
