@@ -104,6 +104,8 @@ CLUSTER_PREFIX = "course-ranks-"  # the clusters start_ranks() makes; `stop-rank
 # logs are files under runs/live_ranks/log/ (removed when they stop).
 PROFILE_DIR = ROOT / "runs" / "live_ranks"
 
+JOIN_TIMEOUT_S = 60  # how long the live ranks wait for each other to join (their collectives: timeout_s)
+
 # Run on every engine, with {placeholders} filled per rank: join the group the way a script does.
 _JOIN = """
 import os, sys
@@ -118,7 +120,7 @@ dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG, read again for the g
 from utils.distributed_utils import setup
 # Joining waits at least a minute (engines start their joins one after another, on a busy machine seconds apart);
 # the group's collectives, DETAIL's checks among them, wait timeout_s, which may be shorter (a lab's hang in 5 s).
-local_rank, rank, device, world_size = setup(seed={seed}, timeout_s={timeout_s}, join_timeout_s=60)
+local_rank, rank, device, world_size = setup(seed={seed}, timeout_s={timeout_s}, join_timeout_s={join_timeout_s})
 """
 
 _LEAVE = """
@@ -239,10 +241,11 @@ class Ranks:
             }
             if self.backend == "gloo":  # set before the rank first imports torch: setup() then sees no GPU
                 env["CUDA_VISIBLE_DEVICES"] = ""
-            code = _JOIN.format(root=str(ROOT), env=env, seed=self.seed, timeout_s=self.timeout_s)
+            code = _JOIN.format(root=str(ROOT), env=env, seed=self.seed, timeout_s=self.timeout_s,
+                                join_timeout_s=JOIN_TIMEOUT_S)  # fmt: skip
             pending.append(self.client[engine].execute(code, block=False))
         for result in pending:
-            result.get(timeout=max(self.timeout_s, 60) + 60)  # the join waits at least 60 s (see _JOIN)
+            result.get(timeout=max(self.timeout_s, JOIN_TIMEOUT_S) + 60)  # the join, then a minute to spare
 
     def pull(self, name: str) -> list:
         """The value of `name` on every rank, in rank order (tensors come back as they are, on the CPU)."""
