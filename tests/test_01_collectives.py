@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.harness.launch import ROOT, python, torchrun
-from utils.course.lab import _inputs, first_cause, hint, verdict
+from utils.course.lab import failure
 from utils.course.lessons import load_script
 
 WORKER = ROOT / "tests" / "workers" / "collectives_check.py"
@@ -76,79 +76,8 @@ def lab(lesson, tmp_path_factory):
 def assert_lab(outcomes: dict, case: str, todo: int):
     """The case's verdict (utils/course/lab.py); a failure's line says what the rank closest to the cause did and,
     when a known mistake gives what came back, its likely cause (else the case's hint)."""
-    passed, lines = verdict(case, outcomes[case])
-    cause = None if passed else LAB_CAUSES[case](outcomes[case])
-    explained = f": {cause}" if cause else f". Hint: {hint(case)}"
-    assert passed, f"TODO {todo}: {first_cause(lines)}{explained}.\nEvery rank:\n" + "\n".join(lines)
-
-
-def inputs_of(case: str, outcomes: list[dict]) -> list:
-    """Each rank's (arguments, expected answer) of the lab case, as utils/course/lab.py gave them to the ranks."""
-    return [_inputs(case, rank, len(outcomes)) for rank in range(len(outcomes))]
-
-
-def left_without_joining(outcomes: list[dict]) -> str | None:
-    """A rank that returned while others waited in a collective: it skipped the collective they wait in."""
-    waiting = any(o["error"] and ("never joined" in o["error"] or "stuck" in o["error"]) for o in outcomes)
-    left = [rank for rank, o in enumerate(outcomes) if o["error"] is None]
-    if waiting and left:
-        return f"rank {left[0]} returned without calling the collective the other ranks wait in"
-    return None
-
-
-def skip_cause(outcomes):
-    everything = sum(len(args[0]) for args, _ in inputs_of("skip", outcomes))
-    if all(o["value"] == everything for o in outcomes):
-        return f"{everything} counts the padding (-1) as tokens too"
-    return left_without_joining(outcomes)
-
-
-def raise_cause(outcomes):
-    (values,), _ = inputs_of("raise", outcomes)[0]
-    per_rank = -(-len(values) // len(outcomes))  # the lab's slices: ceil(numel / n) values each
-    raised = [r for r, o in enumerate(outcomes) if "raised" in (o["error"] or "")]
-    if raised and all(r * per_rank >= len(values) for r in raised):
-        return f"rank {raised[0]}'s slice of the values is empty"
-    if all(o["value"] == 0.0 for o in outcomes):
-        return "0 is what an empty slice brought, and it beats every value here (all are negative)"
-    return None
-
-
-def shapes_cause(outcomes):
-    args = [a[0][0].tolist() for a in inputs_of("shapes", outcomes)]
-    longest = max(map(len, args))
-    padded = [v + [0.0] * (longest - len(v)) for v in args]
-    if all(o["value"] == sum(padded, []) for o in outcomes):
-        return "the padding is still in: each rank's row must be cut to that rank's length"
-    if any(o["value"] == sum((row[: len(mine)] for row in padded), []) for o, mine in zip(outcomes, args)):
-        return "each rank cut every row to its own length, not to the length of the rank the row came from"
-    if any("mismatch" in (o["error"] or "") for o in outcomes):
-        return "each rank all-gathered a tensor of its own length: the lengths must be the same on every rank"
-    return None
-
-
-def swap_cause(outcomes):
-    paired = outcomes[: len(outcomes) // 2 * 2]
-    if paired and all(o["error"] and "stuck" in o["error"] for o in paired):
-        return "both partners of a pair waited in the same direction (both in send, or both in recv)"
-    return None
-
-
-def branch_cause(outcomes):
-    left = left_without_joining(outcomes)
-    if left:
-        return left + ": it stopped on its own loss"
-    everyone = inputs_of("branch", outcomes)
-    (_, target), _ = everyone[0]
-    sums = [sum(args[0][step] for args, _ in everyone) for step in range(len(everyone[0][0][0]))]
-    summed = next((step + 1 for step, total in enumerate(sums) if total < target), len(sums))
-    if all(o["value"] == summed for o in outcomes):
-        return f"step {summed} is where the sum of the ranks' losses (not their mean) falls below the target"
-    return None
-
-
-LAB_CAUSES = {"skip": skip_cause, "raise": raise_cause, "shapes": shapes_cause, "swap": swap_cause,
-              "branch": branch_cause}  # fmt: skip
+    message = failure(case, outcomes[case], todo)
+    assert message is None, message
 
 
 def test_todo4_lab_a_collective_some_ranks_skip(lab):

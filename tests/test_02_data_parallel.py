@@ -21,7 +21,7 @@ import torch
 
 from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
-from utils.course.lab import first_cause, hint, verdict
+from utils.course.lab import failure
 from utils.course.make_exercises import make_exercise
 from utils.metrics import param_checksum
 from utils.model import ModelConfig, build_model, count_parameters
@@ -594,16 +594,8 @@ def test_todo12_lab_uneven_batches_every_rank_takes_the_same_steps(lesson, tmp_p
     """3 ranks, 7 samples: rank 0 has one batch more. Each case runs in a fresh gloo group, 5 s timeout."""
     out = tmp_path / "lab.json"
     torchrun(ROOT / "tests/workers/lab_check.py", 3, [lesson("02"), out, "uneven"], timeout=300).check()
-    outcomes = json.loads(out.read_text())["uneven"]
-    passed, lines = verdict("uneven", outcomes)
-    stuck = [rank for rank, o in enumerate(outcomes) if o["error"]]
-    done = [rank for rank, o in enumerate(outcomes) if o["error"] is None]
-    cause = (  # ranks that finished while another waits in DDP's all-reduce: that one ran more batches
-        f": rank {stuck[0]} ran a batch more than ranks {done}, which had returned and never joined its all-reduce"
-        if stuck and done
-        else f". Hint: {hint('uneven')}"
-    )
-    assert passed, f"TODO 12: {first_cause(lines)}{cause}.\nEvery rank:\n" + "\n".join(lines)
+    message = failure("uneven", json.loads(out.read_text())["uneven"], 12)
+    assert message is None, message
 
 
 # --------------------------------------------------------------------------------------------------

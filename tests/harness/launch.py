@@ -5,21 +5,23 @@ hanging the suite. The script's metrics JSON (--metrics-out) comes back as a dic
 
 Launches are warm by default: the ranks fork from a process that imported torch once
 (utils/course/warm_ranks.py says what that changes), which makes a short launch take a second instead of
-ten on 2 cores. Each script's first torchrun launch in a session runs torchrun itself, so every lesson
-still runs as a learner runs it; so do launches with `cold=True`, `max_restarts`, another
-environment's python, an environment that an import reads differently, or COURSE_COLD_RANKS=1.
+ten on 2 cores. Each script's first torchrun launch in a test run (once, not once per pytest-xdist worker) runs
+torchrun itself, so every lesson still runs as a learner runs it; so do launches with `cold=True`, `max_restarts`,
+another environment's python, an environment that an import reads differently, or COURSE_COLD_RANKS=1.
 `make check` (a learner's exercise) and `make mutants` (hundreds of copies of a lesson, each in a session of its
 own) make the first launch warm too (COURSE_FIRST_LAUNCH_WARM=1): what they check is the TODOs, which torchrun
 does not change.
 """
 
 import atexit
+import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,12 +118,11 @@ def torchrun(script, nproc: int, args=(), *, tmp_path=None, timeout: float = 180
     ]  # fmt: skip
     env = env or course_env()
     metrics_path = _metrics_path(command, script, tmp_path, str(nproc))
-    if cold is None:  # each script's first launch in a session: torchrun itself
-        first = Path(script).resolve() not in _started_by_torchrun
-        cold = first and os.environ.get("COURSE_FIRST_LAUNCH_WARM") != "1"
+    if cold is None:  # each script's first launch in a test run: torchrun itself
+        cold = os.environ.get("COURSE_FIRST_LAUNCH_WARM") != "1" and _first_torchrun_launch(script)
     if not (cold or max_restarts or str(python) != sys.executable) and (pool := warm_pool(env)):
         return _run_warm(pool, command, script, nproc, timeout, env, metrics_path)
-    _started_by_torchrun.add(Path(script).resolve())
+    _first_torchrun_launch(script)  # this one is started by torchrun itself: later launches may be warm
     return _run(command, timeout, env, metrics_path)
 
 
@@ -136,7 +137,27 @@ def python(script, args=(), *, tmp_path=None, timeout: float = 120, env=None, co
 
 
 _pool = None
-_started_by_torchrun = set()  # the scripts this session has launched with torchrun itself
+_started_by_torchrun = set()  # the scripts this process has launched with torchrun itself (or seen launched)
+
+
+def _first_torchrun_launch(script) -> bool:
+    """True once per test run for each script, False after: the first caller claims it. pytest-xdist's workers
+    share one run id (PYTEST_XDIST_TESTRUNUID), so the claim is a file created atomically in a folder of that run;
+    a session without workers remembers it in-process."""
+    path = Path(script).resolve()
+    if path in _started_by_torchrun:
+        return False
+    _started_by_torchrun.add(path)
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_id:
+        return True
+    claims = Path(tempfile.gettempdir()) / f"course-torchrun-launches-{run_id}"
+    claims.mkdir(exist_ok=True)
+    try:
+        os.close(os.open(claims / hashlib.sha1(str(path).encode()).hexdigest(), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False  # another worker of this run started it with torchrun
+    return True
 
 
 def warm_pool(env: dict):

@@ -155,13 +155,99 @@ def first_cause(lines: list[str]) -> str:
     return min(failing, key=lambda line: next((i for i, w in enumerate(order) if w in line), len(order)), default="")
 
 
+# What a known mistake leaves in the record, case by case: the cause a failing check names (the notebook shows the
+# ranks' lines only: finding the cause is the lab).
+def _inputs_of(case: str, outcomes: list[dict]) -> list:
+    """Each rank's (arguments, expected answer) of the lab case, as run_case gave them to the ranks."""
+    return [_inputs(case, rank, len(outcomes)) for rank in range(len(outcomes))]
+
+
+def _left_without_joining(outcomes: list[dict]) -> str | None:
+    """A rank that returned while others waited in a collective: it skipped the collective they wait in."""
+    waiting = any(o["error"] and ("never joined" in o["error"] or "stuck" in o["error"]) for o in outcomes)
+    left = [rank for rank, o in enumerate(outcomes) if o["error"] is None]
+    if waiting and left:
+        return f"rank {left[0]} returned without calling the collective the other ranks wait in"
+    return None
+
+
+def _skip_cause(outcomes):
+    everything = sum(len(args[0]) for args, _ in _inputs_of("skip", outcomes))
+    if all(o["value"] == everything for o in outcomes):
+        return f"{everything} counts the padding (-1) as tokens too"
+    return _left_without_joining(outcomes)
+
+
+def _raise_cause(outcomes):
+    (values,), _ = _inputs_of("raise", outcomes)[0]
+    per_rank = -(-len(values) // len(outcomes))  # the lab's slices: ceil(numel / n) values each
+    raised = [r for r, o in enumerate(outcomes) if "raised" in (o["error"] or "")]
+    if raised and all(r * per_rank >= len(values) for r in raised):
+        return f"rank {raised[0]}'s slice of the values is empty"
+    if all(o["value"] == 0.0 for o in outcomes):
+        return "0 is what an empty slice brought, and it beats every value here (all are negative)"
+    return None
+
+
+def _shapes_cause(outcomes):
+    args = [a[0][0].tolist() for a in _inputs_of("shapes", outcomes)]
+    longest = max(map(len, args))
+    padded = [v + [0.0] * (longest - len(v)) for v in args]
+    if all(o["value"] == sum(padded, []) for o in outcomes):
+        return "the padding is still in: each rank's row must be cut to that rank's length"
+    if any(o["value"] == sum((row[: len(mine)] for row in padded), []) for o, mine in zip(outcomes, args)):
+        return "each rank cut every row to its own length, not to the length of the rank the row came from"
+    if any("mismatch" in (o["error"] or "") for o in outcomes):
+        return "each rank all-gathered a tensor of its own length: the lengths must be the same on every rank"
+    return None
+
+
+def _swap_cause(outcomes):
+    paired = outcomes[: len(outcomes) // 2 * 2]
+    if paired and all(o["error"] and "stuck" in o["error"] for o in paired):
+        return "both partners of a pair waited in the same direction (both in send, or both in recv)"
+    return None
+
+
+def _branch_cause(outcomes):
+    left = _left_without_joining(outcomes)
+    if left:
+        return left + ": it stopped on its own loss"
+    everyone = _inputs_of("branch", outcomes)
+    (_, target), _ = everyone[0]
+    sums = [sum(args[0][step] for args, _ in everyone) for step in range(len(everyone[0][0][0]))]
+    summed = next((step + 1 for step, total in enumerate(sums) if total < target), len(sums))
+    if all(o["value"] == summed for o in outcomes):
+        return f"step {summed} is where the sum of the ranks' losses (not their mean) falls below the target"
+    return None
+
+
+def _uneven_cause(outcomes):
+    stuck = [rank for rank, o in enumerate(outcomes) if o["error"]]
+    done = [rank for rank, o in enumerate(outcomes) if o["error"] is None]
+    if stuck and done:  # ranks that finished while another waits in DDP's all-reduce: that one ran more batches
+        return f"rank {stuck[0]} ran a batch more than ranks {done}, which had returned and never joined its all-reduce"
+    return None
+
+
+_CAUSES = {"skip": _skip_cause, "raise": _raise_cause, "shapes": _shapes_cause, "swap": _swap_cause,
+           "branch": _branch_cause, "uneven": _uneven_cause}  # fmt: skip
+
+
+def likely_cause(name: str, outcomes: list[dict]) -> str | None:
+    """The cause of a failed case when the ranks' outcomes are what a known mistake gives, else None."""
+    return _CAUSES[name](outcomes)
+
+
 def failure(name: str, outcomes: list[dict], todo: int) -> str | None:
-    """None when the case passed; else the test's message: the TODO, the rank closest to the cause, a hint,
-    then what every rank did."""
+    """None when the case passed; else the check's message: the TODO, the rank closest to the cause, the likely
+    cause (else a hint), then what every rank did."""
     passed, lines = verdict(name, outcomes)
     if passed:
         return None
-    return f"TODO {todo}: {first_cause(lines)}. Hint: {hint(name)}.\nEvery rank:\n" + "\n".join(lines)
+    cause = likely_cause(name, outcomes)
+    explained = f": {cause}" if cause else f". Hint: {hint(name)}"
+    return f"TODO {todo}: {first_cause(lines)}{explained}.\nEvery rank:\n" + "\n".join(lines)
 
 
 def write_outcomes(store, rank: int, world_size: int, outcome: dict, record: dict, path) -> None:
