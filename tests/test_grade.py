@@ -4,6 +4,8 @@ import csv
 import subprocess
 import sys
 
+import psutil
+
 from utils.course import grade
 from utils.course.make_exercises import make_exercise
 
@@ -37,6 +39,15 @@ def test_a_class_of_three_in_one_table(tmp_path):
     # Carol's code ran in her copy only, and nothing of hers is left running.
     assert not (ROOT / "written_by_carol.txt").exists() and not list(submissions.rglob("written_by_carol.txt"))
     assert "grade-carol" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    # Her check's ranks were forked by warm ranks (a session of their own, not her process group): they stop too.
+    assert not [p.pid for p in psutil.process_iter() if "grade-carol" in cwd_of(p)], "carol's ranks still run"
+
+
+def cwd_of(process) -> str:
+    try:
+        return process.cwd()
+    except (psutil.Error, OSError):
+        return ""
 
 
 def test_a_folder_without_participants_is_refused_in_one_line(tmp_path):

@@ -33,6 +33,7 @@ import gc
 import json
 import os
 import runpy
+import select
 import selectors
 import signal
 import socket
@@ -283,7 +284,8 @@ def _launcher(connection, request: dict, fds: list[int], base_path: list[str]):
         # rank inherits its server thread. The ranks' clients retry until it listens.
         store = _agent_store(env) if nproc is not None else None
         connection.sendall(json.dumps({"pid": os.getpid()}).encode())
-        code = _wait_for(ranks, fds[1], float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)), plain=nproc is None)
+        shutdown_timeout = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
+        code = _wait_for(ranks, fds[1], shutdown_timeout, plain=nproc is None, requester=connection)
         del store
         for fd in fds:
             os.close(fd)  # the reader sees the output's end once the ranks and this launcher closed it
@@ -302,12 +304,20 @@ def _agent_store(env: dict):
                          timeout=timedelta(seconds=900), wait_for_workers=False)  # fmt: skip
 
 
-def _wait_for(ranks: dict, stderr: int, shutdown_timeout: float, plain: bool) -> int:
+def _wait_for(ranks: dict, stderr: int, shutdown_timeout: float, plain: bool, requester: socket.socket) -> int:
+    """Wait for every rank; when one fails, stop the others as torchrun's agent does. The ranks are in this
+    launcher's session, not the requester's: when the requester is gone without stopping them (killed with its
+    process group, as `make grade` stops a hung participant), its end of the connection closes and the ranks are
+    stopped too, instead of running on with nobody to read them."""
     codes, deadline = {}, None
     while len(codes) < len(ranks):
-        pid, status = os.waitpid(-1, os.WNOHANG if deadline else 0)
-        if pid == 0:  # stopping the others: SIGKILL what is left after the timeout
-            if time.monotonic() > deadline:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if deadline is None and _closed(requester):  # nobody reads the output either: say nothing
+                for other in set(ranks) - set(codes):
+                    _signal(other, signal.SIGTERM)
+                deadline = time.monotonic() + shutdown_timeout
+            elif deadline is not None and time.monotonic() > deadline:  # SIGKILL what is left after the timeout
                 for other in set(ranks) - set(codes):
                     _signal(other, signal.SIGKILL)
                 deadline = float("inf")
@@ -324,6 +334,13 @@ def _wait_for(ranks: dict, stderr: int, shutdown_timeout: float, plain: bool) ->
     if plain:
         return next(iter(codes.values()))
     return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def _closed(connection: socket.socket) -> bool:
+    """Whether the other end closed the connection: the requester sends nothing after its request, so anything
+    readable is the end."""
+    readable, _, _ = select.select([connection], [], [], 0)
+    return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
 
 
 def _signal(pid: int, number: int):
