@@ -58,26 +58,30 @@ def check(script, schedule: str) -> str | None:
     ]
     if missing := next((name for name, got, _ in grads if got is None), None):
         return f"--schedule {schedule}: {missing} got no gradient"
-    differing = [(name, float((got - want).abs().max())) for name, got, want in grads if not close(got, want)]
-    if not differing:
+    differing = next(((name, got, want) for name, got, want in grads if not close(got, want)), None)
+    if differing is None:
         return None
-    name, difference = differing[0]
+    name, first_got, first_want = differing
     # The known mistakes scale every gradient by the same factor: name one only when all of them are that multiple.
     why = ""
     if all(close(got, M * want) for _, got, want in grads):
         why = f": every gradient is m = {M} times the whole batch's: summed over the micro-batches, not averaged"
     elif all(close(got, want / M) for _, got, want in grads):
         why = f": every gradient is 1/m = 1/{M} of the whole batch's: divided by m twice (the schedule averages too)"
-    got_norm, want_norm = (torch.cat([g[i].flatten() for g in grads]).norm() for i in (1, 2))
-    ratio = float(got_norm / want_norm)
+    every_got, every_want = (torch.cat([grad.flatten() for grad in column]) for column in list(zip(*grads))[1:])
+    difference, ratio = largest_difference(first_got, first_want), float(every_got.norm() / every_want.norm())
     return (
         f"--schedule {schedule}: {name}.grad differs from the whole batch's by {difference:.1e} (norm ratio "
         f"{ratio:.2f}){why}"
     )
 
 
+def largest_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max())
+
+
 def close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return float((got - want).abs().max()) <= 1e-6
+    return largest_difference(got, want) <= 1e-6
 
 
 def main(path: str) -> int:
