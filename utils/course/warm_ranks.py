@@ -338,7 +338,8 @@ def _wait_for(ranks: dict, stderr: int, shutdown_timeout: float, plain: bool, re
 
 def _closed(connection: socket.socket) -> bool:
     """Whether the other end closed the connection: the requester sends nothing after its request, so anything
-    readable is the end."""
+    readable is the end. (Not recv(MSG_DONTWAIT): the connection keeps the listener's 1 s timeout, under which
+    Python's recv waits that second first and then raises TimeoutError.)"""
     readable, _, _ = select.select([connection], [], [], 0)
     return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
 
