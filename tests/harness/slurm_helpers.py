@@ -22,7 +22,8 @@ FINAL_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
     "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT",
 }  # fmt: skip
-UP_STATES = {"idle", "mix", "alloc", "comp"}  # sinfo's short node states that take jobs
+# sinfo's short node states that take jobs; plnd: idle, but held by the backfill scheduler for a waiting job
+UP_STATES = {"idle", "mix", "alloc", "comp", "plnd"}
 
 
 class SlurmError(AssertionError):

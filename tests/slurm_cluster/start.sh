@@ -129,8 +129,8 @@ deadline=$(( SECONDS + WAIT_S ))
 resumed=0
 while :; do
     states="$(sinfo -h -N -o '%N %t' 2>/dev/null | sort -u | tr '\n' ' ' || true)"
-    # idle, or already running jobs when start.sh is run again on a live cluster
-    if [[ "$states" =~ ^n1\ (idle|mix|alloc)\ n2\ (idle|mix|alloc)\ $ ]]; then
+    # idle, or already running jobs (or held for a waiting one: plnd) when start.sh is run again on a live cluster
+    if [[ "$states" =~ ^n1\ (idle|mix|alloc|plnd)\ n2\ (idle|mix|alloc|plnd)\ $ ]]; then
         say "nodes up: $states(${SECONDS}s)"; exit 0
     fi
     # Nodes left down or drained by an earlier run come back here, once.
