@@ -29,6 +29,7 @@ from tests.harness.todo_calls import call, prerequisites
 from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
+from utils.lesson_09.lab import failure as lab_failure
 from utils.lesson_09.options import CPU_ATTEMPT
 from utils.lesson_09.ring import in_flight
 from utils.lesson_09.threads import run_on_threads
@@ -1237,3 +1238,41 @@ def test_shared_options_change_the_run(script_path, tmp_path):
     result = python(script_path, args, timeout=180, env=ENV)
     finished(result, 5)
     check_shared_options(result, order="generator")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TODO 9: the debugging lab (a ring step that never ends), on live ranks. The learner's hop is the exchange of the
+# solution's ring forward (utils/lesson_09/lab.py), so that a mistake in TODOs 1-4 is not blamed on TODO 9.
+# ---------------------------------------------------------------------------------------------------------------
+
+LAB = ROOT / "utils" / "lesson_09" / "lab.py"
+LAB_RANKS = 3
+
+
+def test_todo9_lab_ring_step_ends_with_the_blocks_the_forward_folds(script, script_path, tmp_path):
+    """3 live ranks on gloo (5 s timeout): every hop ends, each block comes from the rank the forward folds at that
+    step, and every rank's attention equals one process's."""
+    if not hasattr(script, "pass_block"):
+        pytest.fail("TODO 9: the script has no pass_block (the lab at the end of the exercise)", pytrace=False)
+    result = torchrun(LAB, LAB_RANKS, [script_path], tmp_path=tmp_path, timeout=120, env=ENV).check()
+    message = lab_failure(result.metrics, 9)
+    assert message is None, message
+
+
+def test_the_lab_hang_ends_within_seconds_naming_who_waits_for_whom(target, request, tmp_path):
+    """The untouched hop hangs on every rank: the course's 5 s timeout ends it (not this test's), and the verdict
+    names, per rank, the call it waits in and the rank it waits for."""
+    if target == "exercises" or request.config.getoption("--target-dir"):
+        pytest.skip("a property of the lab itself, checked with the solutions")
+    solution = ROOT / "solutions" / SCRIPT_NAME
+    exercise = tmp_path / SCRIPT_NAME
+    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    result = torchrun(LAB, LAB_RANKS, [exercise], tmp_path=tmp_path, timeout=120, env=ENV).check()
+    ranks = result.metrics["ranks"]
+    assert all(outcome["error"] for outcome in ranks), ranks
+    assert max(outcome["seconds"] for outcome in ranks) < 30, [outcome["seconds"] for outcome in ranks]
+    message = lab_failure(result.metrics, 9)
+    for rank in range(LAB_RANKS):
+        assert (f"rank {rank}: at step 1 it called recv from rank {(rank - 1) % LAB_RANKS} and waited in it until "
+                "gloo's 5 s timeout") in message, message  # fmt: skip
+    assert "every rank waits in recv for a rank that is itself waiting in recv" in message, message

@@ -87,6 +87,14 @@ LSE = "    lse = torch.logsumexp(scores, dim=-1)\n"
 MASK = '    scores = scores.masked_fill(hidden, float("-inf"))\n'
 ORDERED = "q[..., order, :], k[..., order, :], v[..., order, :], is_causal=True"
 
+# TODO 9's solution, line by line (the lab's hop)
+POST_SEND = (
+    "    sending = dist.isend(block, dst=(rank + 1) % world_size)  # posted, not waited for: on to the receive\n"
+)
+RECEIVE = "    dist.recv(received, src=(rank - 1) % world_size)\n"
+HOP = POST_SEND + RECEIVE + "    sending.wait()\n"
+NEXT, PREVIOUS = "(rank + 1) % world_size", "(rank - 1) % world_size"
+
 MUTANTS = [
     # TODO 1: the split of the sequence
     Mutant(todo=1, what="zigzag pairs chunk r with chunk N - 1 - r (of 2N): both chunks from the first half",
@@ -294,6 +302,29 @@ MUTANTS = [
            find="    d_kv = travelling.wait()  # this rank's own block",
            replace="    d_kv += travelling.wait()  # this rank's own block",
            shows=("keys' gradient", "added to the last held block's")),
+    # TODO 9: the lab, one hop of the ring by hand
+    Mutant(todo=9, what="every rank sends first (a blocking send), then receives",
+           find=HOP, replace=f"    dist.send(block, dst={NEXT})\n" + RECEIVE,
+           shows=("every rank waits in send for a rank that is itself waiting in send",)),
+    Mutant(todo=9, what="the send made non-blocking, but posted after the blocking receive",
+           find=HOP, replace=RECEIVE + f"    sending = dist.isend(block, dst={NEXT})\n    sending.wait()\n",
+           shows=("every rank waits in recv for a rank that is itself waiting in recv",)),
+    Mutant(todo=9, what="receives from the rank it sends to (rank + 1)",
+           find=RECEIVE, replace=f"    dist.recv(received, src={NEXT})\n",
+           shows=("waits for a block from rank 1, which sent its own to rank 2",)),
+    Mutant(todo=9, what="a batch_isend_irecv whose send and receive both name rank + 1",
+           find=HOP,
+           replace=f"    ops = [dist.P2POp(dist.isend, block, {NEXT}), dist.P2POp(dist.irecv, received, {NEXT})]\n"
+                   "    for work in dist.batch_isend_irecv(ops):\n"
+                   "        work.wait()\n",
+           shows=("which sent its own to rank",)),
+    Mutant(todo=9, what="the ring turned the other way: sends to rank - 1, receives from rank + 1",
+           find=POST_SEND + RECEIVE,
+           replace=f"    sending = dist.isend(block, dst={PREVIOUS})\n    dist.recv(received, src={NEXT})\n",
+           shows=("the blocks go round the ring the other way", "where the forward folds rank r - s")),
+    Mutant(todo=9, what="returns the block it sent, not the one it received",
+           find="    sending.wait()\n    return received\n", replace="    sending.wait()\n    return block\n",
+           shows=("returned the block it was given",)),
 ]  # fmt: skip
 
 OWN_SHARE_AT_HOME = (  # TODO 5 with N - 1 gradient hops: the owner keeps its share, the others' come to it
@@ -424,4 +455,26 @@ VARIANTS = [  # correct answers, written another way: every TODO's check must pa
            find=TO_SEQUENCE,
            replace="    received = all_to_all(y.unflatten(2, (world_size, -1)).movedim(2, 0))\n"
                    "    return received.movedim(0, 1).flatten(1, 2)\n"),
+    # TODO 9: the lab
+    Mutant(todo=9, what="the receive posted first (irecv), then a blocking send, then the wait",
+           find=HOP,
+           replace=f"    receiving = dist.irecv(received, src={PREVIOUS})\n    dist.send(block, dst={NEXT})\n"
+                   "    receiving.wait()\n"),
+    Mutant(todo=9, what="both posted at once with batch_isend_irecv, as Ring.start does",
+           find=HOP,
+           replace=f"    ops = [dist.P2POp(dist.isend, block, {NEXT}), dist.P2POp(dist.irecv, received, {PREVIOUS})]\n"
+                   "    for work in dist.batch_isend_irecv(ops):\n"
+                   "        work.wait()\n"),
+    Mutant(todo=9, what="blocking calls, the symmetry broken: even ranks send first, odd ranks receive first",
+           find=HOP,
+           replace="    if rank % 2 == 0:\n"
+                   f"        dist.send(block, dst={NEXT})\n        dist.recv(received, src={PREVIOUS})\n"
+                   "    else:\n"
+                   f"        dist.recv(received, src={PREVIOUS})\n        dist.send(block, dst={NEXT})\n"),
+    Mutant(todo=9, what="blocking calls, rank 0 sends first and every other rank receives first (a chain)",
+           find=HOP,
+           replace=f"    if rank == 0:\n        dist.send(block, dst={NEXT})\n"
+                   f"    dist.recv(received, src={PREVIOUS})\n"
+                   "    if rank != 0:\n"
+                   f"        dist.send(block, dst={NEXT})\n"),
 ]  # fmt: skip

@@ -15,12 +15,20 @@ left to inspect. Why DETAIL: gloo aborts the process (SIGABRT) when ranks all-ga
 DETAIL checks shapes first and raises a readable error on every rank instead.
 """
 
+import argparse
 import json
+import os
 import re
 import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
+
+from utils.course.lessons import load_script
 
 LAB_TIMEOUT_S = 5.0  # how long a lab collective waits for a missing rank before it raises
 
@@ -250,6 +258,14 @@ def failure(name: str, outcomes: list[dict], todo: int) -> str | None:
     return f"TODO {todo}: {first_cause(lines)}{explained}.\nEvery rank:\n" + "\n".join(lines)
 
 
+def failure_message(lines: list[str], todo: int, hint: str) -> str:
+    """A failed lab's check message from its verdict's lines (one per rank, then "why: <cause>" lines): the TODO, the
+    causes (else the first rank not right), a hint, then every line."""
+    causes = [line.removeprefix("why: ") for line in lines if line.startswith("why: ")]
+    cause = "; ".join(causes) if causes else next(line for line in lines if not line.endswith("(right)"))
+    return f"TODO {todo}: {cause}. Hint: {hint}.\nEvery rank:\n" + "\n".join(lines)
+
+
 def write_outcomes(store, rank: int, world_size: int, outcome: dict, record: dict, path) -> None:
     """After a live lab run: once every rank is done, gather each rank's outcome in a fresh gloo group (the lab's
     own may be broken) and have rank 0 write {**record, "ranks": [every rank's outcome]} as JSON to `path`."""
@@ -269,3 +285,42 @@ def wait_for_everyone(store, key: str, world_size: int, timeout_s: float = 120):
         if time.monotonic() > deadline:
             raise TimeoutError(f"not every rank reached {key} within {timeout_s} s")
         time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------------------------------
+# A live lab rank (utils/lesson_NN/lab.py, under torchrun): its start, the same in every lesson
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LabRank:
+    learner: ModuleType  # the learner's lesson script, loaded afresh
+    store: dist.Store  # torchrun's store: it outlives a broken process group, so the ranks can still report
+    rank: int
+    world_size: int
+    metrics_out: Path  # where rank 0 writes every rank's outcome (write_outcomes)
+
+
+def start_rank(lesson_number: str, function: str) -> LabRank:
+    """Parse the lab's command line (the lesson script whose `function` runs, --metrics-out), keep to CPU tensors
+    even on a GPU node (CUDA is not started yet), connect to torchrun's store and load the learner's script."""
+    parser = argparse.ArgumentParser(description=f"Lesson {lesson_number}'s debugging lab on live ranks")
+    parser.add_argument("lesson", type=Path, help=f"the lesson script whose {function} is run")
+    parser.add_argument("--metrics-out", type=Path, required=True, help="where rank 0 writes every rank's outcome")
+    args = parser.parse_args()
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    return LabRank(load_script(args.lesson.resolve(), "lab_lesson"), store, rank, world_size, args.metrics_out)
+
+
+def join_lab_group(store, rank: int, world_size: int, timeout_s: float = LAB_TIMEOUT_S):
+    """The gloo group the lab's case runs in, with a short timeout: a rank left waiting raises in seconds."""
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("lab/run/", store), rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip

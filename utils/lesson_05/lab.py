@@ -16,8 +16,6 @@ Why gloo even on a GPU node: a receive that never comes makes gloo raise after t
 NCCL's watchdog kills the process instead (utils/course/lab.py says more).
 """
 
-import argparse
-import os
 import sys
 import time
 from datetime import timedelta
@@ -29,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from utils.course.lab import write_outcomes  # noqa: E402
-from utils.course.lessons import lesson, load_script  # noqa: E402
+from utils.course.lab import failure_message, join_lab_group, start_rank, write_outcomes  # noqa: E402
+from utils.course.lessons import lesson  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
 
 STAGES, MICROBATCHES, MAX_IN_FLIGHT = 4, 4, 2  # the live run: 4 stages, 4 micro-batches, rank 0 holds at most 2
@@ -212,10 +210,7 @@ def run_rank(capped_warmup, build_stage, run_steps, exchange, store, rank: int, 
         exchange(batch, *args, **kwargs)
         posted.clear()
 
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore("lab/run/", store), rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )  # fmt: skip
+    join_lab_group(store, rank, world_size, TIMEOUT_S)
     try:
         run_steps(
             stage, steps, rank=rank, n_stages=world_size, inputs=list(tokens.chunk(MICROBATCHES)),
@@ -238,18 +233,8 @@ def run_rank(capped_warmup, build_stage, run_steps, exchange, store, rank: int, 
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Lesson 05's debugging lab on live ranks")
-    parser.add_argument("lesson", type=Path, help="the lesson script whose capped_warmup is run")
-    parser.add_argument("--metrics-out", type=Path, required=True, help="where rank 0 writes every rank's outcome")
-    args = parser.parse_args()
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo and CPU tensors, even on a GPU node (CUDA is not started yet)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    learner = load_script(args.lesson.resolve(), "lab_lesson")
+    lab = start_rank("05", "capped_warmup")
+    learner, store, rank, world_size = lab.learner, lab.store, lab.rank, lab.world_size
     engine = lesson("05")  # the solution's engine: a mistake in TODOs 4-7 must not show up as the lab's
     started = time.perf_counter()
     outcome = run_rank(
@@ -257,7 +242,7 @@ def main():
     )
     outcome["seconds"] = time.perf_counter() - started
     record = {"stages": world_size, "microbatches": MICROBATCHES, "max_in_flight": MAX_IN_FLIGHT}
-    write_outcomes(store, rank, world_size, outcome, record, args.metrics_out)
+    write_outcomes(store, rank, world_size, outcome, record, lab.metrics_out)
     destroy_process_group()  # the course's: a barrier first, then gloo's threads let go before Python exits
 
 
@@ -298,11 +283,7 @@ def verdict(record: dict) -> tuple[bool, list[str]]:
 def failure(record: dict, todo: int) -> str | None:
     """None when the lab passed; else the test's message: the TODO, the cause, a hint, then every rank."""
     passed, lines = verdict(record)
-    if passed:
-        return None
-    cause = next((line for line in lines if line.startswith("why: ")), None)
-    cause = cause[5:] if cause else next(line for line in lines if not line.endswith("(right)"))
-    return f"TODO {todo}: {cause}. Hint: {HINT}.\nEvery rank:\n" + "\n".join(lines)
+    return None if passed else failure_message(lines, todo, HINT)
 
 
 if __name__ == "__main__":

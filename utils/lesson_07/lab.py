@@ -16,11 +16,8 @@ Why gloo even on a GPU node: a collective that never completes makes gloo raise 
 reports; NCCL's watchdog kills the process instead (utils/course/lab.py says more).
 """
 
-import argparse
-import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,8 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.utils import parameters_to_vector, vector_to_parameters  # noqa: E402
 
-from utils.course.lab import write_outcomes  # noqa: E402
-from utils.course.lessons import load_script  # noqa: E402
+from utils.course.lab import failure_message, join_lab_group, start_rank, write_outcomes  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
 
 RANKS, STEPS, RATIO, LR, SEED = 3, 3, 0.05, 0.5, 7  # the live run: 3 ranks, 3 SGD steps, 5% of the entries sent
@@ -123,23 +119,10 @@ def run_rank(random_k_positions, rank: int, world_size: int) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Lesson 07's debugging lab on live ranks")
-    parser.add_argument("lesson", type=Path, help="the lesson script whose random_k_positions is run")
-    parser.add_argument("--metrics-out", type=Path, required=True, help="where rank 0 writes every rank's outcome")
-    args = parser.parse_args()
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo and CPU tensors, even on a GPU node (CUDA is not started yet)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    learner = load_script(args.lesson.resolve(), "lab_lesson")
+    lab = start_rank("07", "random_k_positions")
+    learner, store, rank, world_size = lab.learner, lab.store, lab.rank, lab.world_size
     started = time.perf_counter()
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore("lab/run/", store), rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )  # fmt: skip
+    join_lab_group(store, rank, world_size, TIMEOUT_S)
     try:
         outcome = run_rank(learner.random_k_positions, rank, world_size)
     except Exception as error:  # noqa: BLE001 - a timeout, or a peer that gave up first
@@ -147,7 +130,7 @@ def main():
     dist.destroy_process_group()  # no barrier: the group may be broken
     outcome["seconds"] = time.perf_counter() - started
     record = {"steps": STEPS, "ratio": RATIO, "tolerance": TOLERANCE}
-    write_outcomes(store, rank, world_size, outcome, record, args.metrics_out)
+    write_outcomes(store, rank, world_size, outcome, record, lab.metrics_out)
     destroy_process_group()  # the course's: a barrier first, then gloo's threads let go before Python exits
 
 
@@ -197,11 +180,7 @@ def verdict(record: dict) -> tuple[bool, list[str]]:
 def failure(record: dict, todo: int) -> str | None:
     """None when the lab passed; else the test's message: the TODO, the cause, a hint, then every rank."""
     passed, lines = verdict(record)
-    if passed:
-        return None
-    causes = [line[5:] for line in lines if line.startswith("why: ")]
-    cause = "; ".join(causes) if causes else next(line for line in lines if not line.endswith("(right)"))
-    return f"TODO {todo}: {cause}. Hint: {HINT}.\nEvery rank:\n" + "\n".join(lines)
+    return None if passed else failure_message(lines, todo, HINT)
 
 
 if __name__ == "__main__":
