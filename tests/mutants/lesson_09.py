@@ -471,6 +471,8 @@ VARIANTS = [  # correct answers, written another way: every TODO's check must pa
                    f"        dist.send(block, dst={NEXT})\n        dist.recv(received, src={PREVIOUS})\n"
                    "    else:\n"
                    f"        dist.recv(received, src={PREVIOUS})\n        dist.send(block, dst={NEXT})\n"),
+    Mutant(todo=9, what="the receive from any rank (no src): in a ring only the rank before sends to this one",
+           find=RECEIVE, replace="    dist.recv(received)\n"),
     Mutant(todo=9, what="blocking calls, rank 0 sends first and every other rank receives first (a chain)",
            find=HOP,
            replace=f"    if rank == 0:\n        dist.send(block, dst={NEXT})\n"
