@@ -4,6 +4,10 @@ lesson's tests must catch, naming the TODO (python -m tests.mutants, make mutant
 from tests.mutants import Mutant
 
 COMMENT_MAY_NAME = {}  # the comments name no code of their own: the function docstrings give the contracts
+SAVE = (  # TODO 5's answer, the line the lab's mistakes replace
+    "    dcp.save(state, checkpoint_id=str(folder))  # every rank its shards; "
+    "DCP's coordinator (rank 0) the .metadata\n"
+)
 
 MUTANTS = [
     # TODO 1: what a checkpoint holds
@@ -90,6 +94,22 @@ MUTANTS = [
            find='    progress.step, progress.epoch, progress.offset = meta["step"], meta["epoch"], meta["offset"]',
            replace='    progress.step, progress.epoch = meta["step"], meta["epoch"]',
            shows=("progress.offset", "data position")),
+    # TODO 5: the lab (a save that never ends)
+    Mutant(todo=5, what="rank 0 alone calls dcp.save, as torch.save under DDP (the exercise as given)",
+           find=SAVE, replace="    if rank == 0:\n        dcp.save(state, checkpoint_id=str(folder))\n",
+           shows=("rank 0 waited in dcp.save for rank 1, which returned without calling it",)),
+    Mutant(todo=5, what="every rank saves into a folder of its own",
+           find=SAVE, replace='    dcp.save(state, checkpoint_id=str(folder / f"rank{rank}"))\n',
+           shows=("each rank saved into a place of its own", "only rank 0's gets the .metadata")),
+    Mutant(todo=5, what="rank 0 writes the state with torch.save",
+           find=SAVE, replace='    if rank == 0:\n        torch.save(state, folder / "checkpoint.pt")\n',
+           shows=("rank 0 called torch.save", "rank 0's shards only")),
+    Mutant(todo=5, what="rank 0 alone calls dcp.save with no_dist=True (no collective, so no hang)",
+           find=SAVE, replace="    if rank == 0:\n        dcp.save(state, checkpoint_id=str(folder), no_dist=True)\n",
+           shows=("no_dist=True", "rank 1's shards are missing")),
+    Mutant(todo=5, what="every rank calls dcp.save with no_dist=True into the same folder",
+           find=SAVE, replace="    dcp.save(state, checkpoint_id=str(folder), no_dist=True)\n",
+           shows=("every rank called dcp.save with no_dist=True",)),
 ]  # fmt: skip
 
 VARIANTS = [  # correct answers written another way: each TODO's tests must accept them
@@ -167,4 +187,13 @@ VARIANTS = [  # correct answers written another way: each TODO's tests must acce
            replace='    if per_rank is not None:\n'
                    '        torch.random.set_rng_state(per_rank["rng"]["torch"])\n'
                    '    scheduler.load_state_dict(meta["scheduler"])\n'),
+    # TODO 5: the lab
+    Mutant(todo=5, what="every rank calls dcp.save, then a barrier",
+           find=SAVE, replace="    dcp.save(state, checkpoint_id=str(folder))\n    dist.barrier()\n"),
+    Mutant(todo=5, what="dcp.async_save on every rank, waited for with .result()",
+           find=SAVE, replace="    dcp.async_save(state, checkpoint_id=str(folder)).result()\n"),
+    Mutant(todo=5, what="the folder given as a FileSystemWriter",
+           find=SAVE,
+           replace="    from torch.distributed.checkpoint import FileSystemWriter\n\n"
+                   "    dcp.save(state, storage_writer=FileSystemWriter(folder))\n"),
 ]  # fmt: skip
