@@ -299,6 +299,7 @@ class LabRank:
     rank: int
     world_size: int
     metrics_out: Path  # where rank 0 writes every rank's outcome (write_outcomes)
+    timeout_s: float | None  # --timeout: the group's timeout made longer, to look at a hang (python -m utils.stacks)
 
 
 def start_rank(lesson_number: str, function: str) -> LabRank:
@@ -307,6 +308,8 @@ def start_rank(lesson_number: str, function: str) -> LabRank:
     parser = argparse.ArgumentParser(description=f"Lesson {lesson_number}'s debugging lab on live ranks")
     parser.add_argument("lesson", type=Path, help=f"the lesson script whose {function} is run")
     parser.add_argument("--metrics-out", type=Path, required=True, help="where rank 0 writes every rank's outcome")
+    parser.add_argument("--timeout", type=float, help="seconds a rank waits in vain (longer than the lab's own to "
+                        "look at a hang with `python -m utils.stacks`)")  # fmt: skip
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -315,7 +318,8 @@ def start_rank(lesson_number: str, function: str) -> LabRank:
         timeout=timedelta(seconds=60),
     )  # fmt: skip
     torch.set_num_threads(1)
-    return LabRank(load_script(args.lesson.resolve(), "lab_lesson"), store, rank, world_size, args.metrics_out)
+    learner = load_script(args.lesson.resolve(), "lab_lesson")
+    return LabRank(learner, store, rank, world_size, args.metrics_out, args.timeout)
 
 
 def join_lab_group(store, rank: int, world_size: int, timeout_s: float = LAB_TIMEOUT_S):

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -91,6 +92,35 @@ def _launch(command: list, nproc: int, env: dict, timeout: float, script, cold: 
         kill_tree(process.pid)
         raise RuntimeError(f"{script} did not finish within {timeout} s: stopped it and its ranks") from None
     return process.returncode, stdout, stderr
+
+
+def stacks_of_a_hang(script, nproc: int, args=(), *, waits_in: str, timeout: float = 60) -> str:
+    """Start `script` with torchrun as a job that hangs, and return what `python -m utils.stacks --pid` shows once
+    every rank waits where `waits_in` says (a function name in the tool's summary); the job is stopped then.
+    Give the job a collective timeout longer than `timeout`, so that it is still hanging when its stacks are read."""
+    # Paths relative to the course root, the job's folder: the stacks' header reads as the command would be typed.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(script), *map(str, args)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:  # until every rank has started and reached the call it hangs in
+            done = subprocess.run([sys.executable, "-m", "utils.stacks", "--pid", str(job.pid)], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=60)  # fmt: skip
+            summary = done.stdout.rpartition("summary: ")[2]
+            if summary.startswith(f"all {nproc} ranks found wait in") and waits_in in summary:
+                return done.stdout
+            if "permission denied" in done.stderr:
+                raise RuntimeError(done.stderr.strip())
+            if job.poll() is not None:
+                raise RuntimeError(f"{script} ended (exit code {job.returncode}) before its ranks waited in {waits_in}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{script}: not every rank waited in {waits_in} within {timeout} s. The stacks:\n"
+                                   f"{done.stdout or done.stderr}")  # fmt: skip
+            time.sleep(0.5)
+    finally:
+        kill_tree(job.pid)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from utils.distributed_utils import destroy_process_group  # noqa: E402
 from utils.lesson_09.ring import Pending, Ring  # noqa: E402
 
 SEQ_LEN, HEADS, HEAD_DIM = 12, 2, 8  # the live run: one sequence of 12 tokens over 3 ranks, zigzag (4 tokens each)
-TIMEOUT_S = 5.0  # how long a rank waits for its partner before gloo gives up
+TIMEOUT_S = 5.0  # how long a rank waits for its partner before gloo gives up (--timeout: longer, to look at a hang)
 TOLERANCE = 1e-5  # attention against one process's (fp32: the same scores, merged block by block)
 HINTS = {  # a question that leads to the cause, not the fix: the lab is the finding
     "hang": "take the call each rank waits in: which rank must act for it to complete, and what is it doing then",
@@ -45,8 +45,7 @@ HINTS = {  # a question that leads to the cause, not the fix: the lab is the fin
 PEER = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}  # each point-to-point call's peer argument
 SENDS, BLOCKING = {"send", "isend"}, {"send", "recv"}
 C10D = dist.distributed_c10d.__file__  # where torch.distributed's point-to-point functions are defined
-UNTIL_TIMEOUT = f"until gloo's {TIMEOUT_S:.0f} s timeout (or until a peer gave up)"
-STUCK = f"waited {UNTIL_TIMEOUT}"
+STUCK = "waited until gloo's timeout"  # a rank's error when it waited in vain (the record says how long)
 
 
 @contextlib.contextmanager
@@ -142,11 +141,12 @@ def main():
     learner, store, rank, world_size = lab.learner, lab.store, lab.rank, lab.world_size
     engine = lesson("09")  # the solution's ring: a mistake in TODOs 1-4 must not show up as the lab's
     started = time.perf_counter()
-    join_lab_group(store, rank, world_size, TIMEOUT_S)
+    timeout_s = lab.timeout_s or TIMEOUT_S
+    join_lab_group(store, rank, world_size, timeout_s)
     outcome = run_rank(learner.pass_block, engine, rank, world_size)
     dist.destroy_process_group()  # no barrier: the group may be broken
     outcome["seconds"] = time.perf_counter() - started
-    record = {"seq_len": SEQ_LEN, "tolerance": TOLERANCE, "timeout_s": TIMEOUT_S}
+    record = {"seq_len": SEQ_LEN, "tolerance": TOLERANCE, "timeout_s": timeout_s}
     write_outcomes(store, rank, world_size, outcome, record, lab.metrics_out)
     destroy_process_group()  # the course's: a barrier first, then gloo's threads let go before Python exits
 
@@ -189,16 +189,21 @@ def got(rank: int, hops: list, size: int) -> str:
     return "got " + ", ".join(said) if said else ""
 
 
+def until(record: dict) -> str:
+    return f"until gloo's {record['timeout_s']:.0f} s timeout (or until a peer gave up)"
+
+
 def rank_line(rank: int, outcome: dict, record: dict, size: int) -> str:
     hops, head = outcome["hops"], f"rank {rank}: "
     if outcome["error"]:
         finished = got(rank, hops, size)
         if not hops or hops[-1]["from"] is not None:  # it failed outside a hop
-            return head + (f"{finished}, then " if finished else "") + outcome["error"]
+            said = f"waited {until(record)}" if outcome["error"] == STUCK else outcome["error"]
+            return head + (f"{finished}, then " if finished else "") + said
         calls = hops[-1]["calls"]  # the hop it failed in
         called = f"called {in_words(calls)}" if calls else "called no send or receive"
         if outcome["error"] == STUCK:
-            ended = f"and waited {'in it' if calls and calls[-1][0] in BLOCKING else 'for them'} {UNTIL_TIMEOUT}"
+            ended = f"and waited {'in it' if calls and calls[-1][0] in BLOCKING else 'for them'} {until(record)}"
         else:
             ended = f"and {outcome['error']}"
         return head + (f"{finished}; " if finished else "") + f"at step {len(hops)} it {called} {ended}"
