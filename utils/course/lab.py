@@ -302,14 +302,16 @@ class LabRank:
     timeout_s: float | None  # --timeout: the group's timeout made longer, to look at a hang (python -m utils.stacks)
 
 
-def start_rank(lesson_number: str, function: str) -> LabRank:
-    """Parse the lab's command line (the lesson script whose `function` runs, --metrics-out), keep to CPU tensors
-    even on a GPU node (CUDA is not started yet), connect to torchrun's store and load the learner's script."""
+def start_rank(lesson_number: str, function: str, timeout_option: bool = False) -> LabRank:
+    """Parse the lab's command line (the lesson script whose `function` runs, --metrics-out, and --timeout where the
+    lab's words follow it), keep to CPU tensors even on a GPU node (CUDA is not started yet), connect to torchrun's
+    store and load the learner's script."""
     parser = argparse.ArgumentParser(description=f"Lesson {lesson_number}'s debugging lab on live ranks")
     parser.add_argument("lesson", type=Path, help=f"the lesson script whose {function} is run")
     parser.add_argument("--metrics-out", type=Path, required=True, help="where rank 0 writes every rank's outcome")
-    parser.add_argument("--timeout", type=float, help="seconds a rank waits in vain (longer than the lab's own to "
-                        "look at a hang with `python -m utils.stacks`)")  # fmt: skip
+    if timeout_option:
+        parser.add_argument("--timeout", type=float, help="seconds a rank waits in vain (longer than the lab's own "
+                            "to look at a hang with `python -m utils.stacks`)")  # fmt: skip
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -319,7 +321,7 @@ def start_rank(lesson_number: str, function: str) -> LabRank:
     )  # fmt: skip
     torch.set_num_threads(1)
     learner = load_script(args.lesson.resolve(), "lab_lesson")
-    return LabRank(learner, store, rank, world_size, args.metrics_out, args.timeout)
+    return LabRank(learner, store, rank, world_size, args.metrics_out, getattr(args, "timeout", None))
 
 
 def join_lab_group(store, rank: int, world_size: int, timeout_s: float = LAB_TIMEOUT_S):
