@@ -47,7 +47,7 @@ def test_a_crash_in_a_launched_run_is_blamed_on_the_todo_whose_code_raised(tmp_p
     blame = run.blame()
     assert blame is not None and blame.todo == 2 and blame.line == 13, run.output
     assert str(blame).startswith("TODO 2's code raised at ") and str(blame).endswith(
-        ":13: ZeroDivisionError: division by zero"
+        ":13 (`return first(x) / 0`): ZeroDivisionError: division by zero"
     ), str(blame)
     assert run.tail().splitlines()[0] == str(blame), "the tail starts with the blame"
     assert blame_in(f"some text\n{blame}\nmore") == (2, str(blame))

@@ -11,6 +11,7 @@ Two sources: the output of a launched run (each rank's traceback, `[rank1]:`-pre
 exception raised in the test's own process by a learner's function.
 """
 
+import linecache
 import re
 import traceback
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LESSON_FILE = re.compile(r"^\d\d_\w+\.py$")
 FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
 RANK_PREFIX = re.compile(r"^\[(?:rank ?)?(\d+)\]: ?|^\[default(\d+)\]:")
-BLAME_LINE = re.compile(r"TODO (\d+)'s code raised at (\S+?):(\d+): (.+)")
+BLAME_LINE = re.compile(r"TODO (\d+)'s code raised at (\S+?):(\d+)(?: \(`.*?`\))?: (.+)")
 # A rank that failed because another one died: not where the mistake is (the first error printed is the cause).
 SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "DistBackendError")
 
@@ -33,11 +34,15 @@ class Blame:
     path: Path
     line: int
     error: str  # "RuntimeError: The size of tensor a (7) must match ..."
+    code: str = ""  # the learner's line that raised, as written: which call it was, without opening the file
 
     def __str__(self) -> str:
         shown = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
-        error = self.error if len(self.error) <= 240 else self.error[:237] + "..."
-        return f"TODO {self.todo}'s code raised at {shown}:{self.line}: {error}"
+        code = self.code if len(self.code) <= 60 else self.code[:57] + "..."
+        room = 240 - len(code)  # the whole line stays short enough for make check's one line per TODO
+        error = self.error if len(self.error) <= room else self.error[: room - 3] + "..."
+        at = f"{shown}:{self.line}" + (f" (`{code}`)" if code else "")
+        return f"TODO {self.todo}'s code raised at {at}: {error}"
 
 
 def todo_lines(text: str) -> dict[int, range]:
@@ -81,7 +86,7 @@ def _blame_frames(frames: list[tuple[str, int]], error: str, folders: set[Path])
         if LESSON_FILE.match(path.name) and path.parent in folders:
             todo = todo_at(path, line)
             if todo is not None:
-                return Blame(todo, path, line, error)
+                return Blame(todo, path, line, error, linecache.getline(str(path), line).strip())
     return None
 
 
