@@ -109,23 +109,23 @@ def covered(intervals, step=0.5, limit=40) -> set:
     return {i for i in range(int(limit / step)) for start, end in intervals if start <= i * step + step / 2 < end}
 
 
-UNIONS = [  # (intervals, their union)
-    ([], []),
-    ([(1, 3)], [(1, 3)]),
-    ([(5, 8), (1, 3)], [(1, 3), (5, 8)]),  # unsorted
-    ([(1, 10), (2, 3), (4, 5)], [(1, 10)]),  # nested
-    ([(1, 3), (3, 4)], [(1, 4)]),  # touching
-    ([(1, 4), (2, 6), (5, 7), (9, 9), (12, 11)], [(1, 7)]),  # overlapping chain; empty ones
-    ([(2, 3), (2, 3), (0, 1)], [(0, 1), (2, 3)]),  # duplicates
-    ([(0.5, 1.5), (1.25, 1.75), (3.0, 3.5)], [(0.5, 1.75), (3.0, 3.5)]),
+UNIONS = [  # (intervals, their union, what this case has that the others do not: said when it fails)
+    ([], [], "no interval at all"),
+    ([(1, 3)], [(1, 3)], "one interval"),
+    ([(5, 8), (1, 3)], [(1, 3), (5, 8)], "given out of order"),
+    ([(1, 10), (2, 3), (4, 5)], [(1, 10)], "(2, 3) and (4, 5) lie inside (1, 10)"),
+    ([(1, 3), (3, 4)], [(1, 4)], "(1, 3) ends where (3, 4) starts"),
+    ([(1, 4), (2, 6), (5, 7), (9, 9), (12, 11)], [(1, 7)], "a chain of overlaps, and two empty intervals"),
+    ([(2, 3), (2, 3), (0, 1)], [(0, 1), (2, 3)], "the same interval twice"),
+    ([(0.5, 1.5), (1.25, 1.75), (3.0, 3.5)], [(0.5, 1.75), (3.0, 3.5)], "fractions of a second"),
 ]
 
 
 def check_todo2(script):
-    for intervals, want in UNIONS:
+    for intervals, want, case in UNIONS:
         given = list(intervals)
         got = call(2, script.union, given)
-        assert [tuple(i) for i in got] == want, f"TODO 2: union of {intervals} is {want}, got {got}"
+        assert [tuple(i) for i in got] == want, f"TODO 2: union of {intervals} ({case}) is {want}, got {got}"
         assert given == intervals, f"TODO 2: union changed its argument {intervals} into {given}"
     generator = random.Random(11)
     for _ in range(30):
@@ -137,22 +137,22 @@ def check_todo2(script):
         assert disjoint, f"TODO 2: union of {intervals} must be sorted, disjoint, not touching, none empty: {got}"
 
 
-INTERSECTIONS = [  # (a, b, the time covered by both)
-    ([], [(1, 2)], []),
-    ([(0, 10)], [(2, 3), (5, 6)], [(2, 3), (5, 6)]),
-    ([(2, 3), (5, 6)], [(0, 10)], [(2, 3), (5, 6)]),  # either order
-    ([(0, 4), (6, 9)], [(3, 7)], [(3, 4), (6, 7)]),  # one interval across two
-    ([(0, 2)], [(2, 4)], []),  # touching is not overlapping
-    ([(0, 5), (1, 2)], [(4, 8), (3, 4.5)], [(3, 5)]),  # not unions yet
-    ([(6, 9), (0, 4)], [(8, 12), (1, 2)], [(1, 2), (8, 9)]),  # unsorted
+INTERSECTIONS = [  # (a, b, the time covered by both, what this case has: said when it fails)
+    ([], [(1, 2)], [], "one side empty"),
+    ([(0, 10)], [(2, 3), (5, 6)], [(2, 3), (5, 6)], "one long interval over two short ones"),
+    ([(2, 3), (5, 6)], [(0, 10)], [(2, 3), (5, 6)], "the same, the sides swapped"),
+    ([(0, 4), (6, 9)], [(3, 7)], [(3, 4), (6, 7)], "one interval across two"),
+    ([(0, 2)], [(2, 4)], [], "intervals that only touch"),
+    ([(0, 5), (1, 2)], [(4, 8), (3, 4.5)], [(3, 5)], "each side overlapping itself"),
+    ([(6, 9), (0, 4)], [(8, 12), (1, 2)], [(1, 2), (8, 9)], "each side out of order"),
 ]
 
 
 def check_todo3(script, needs):
     needs(2)
-    for a, b, want in INTERSECTIONS:
+    for a, b, want, case in INTERSECTIONS:
         got = [tuple(i) for i in call(3, script.intersection, list(a), list(b))]
-        assert got == want, f"TODO 3: intersection of {a} and {b} is {want}, got {got}"
+        assert got == want, f"TODO 3: intersection of {a} and {b} ({case}) is {want}, got {got}"
     generator = random.Random(12)
     for _ in range(30):
         a, b = ([(s, s + generator.choice([0.5, 1, 3])) for s in (generator.randrange(0, 60) / 2 for _ in range(5))]
@@ -167,26 +167,31 @@ def check_todo3(script, needs):
     )
 
 
-SAVINGS = [  # (costs {op: (bytes, FLOPs)}, cap, the ops kept)
-    ({"mm": (100, 1000.0), "gelu": (40, 40.0), "norm": (20, 30.0)}, 1000, {"mm", "gelu", "norm"}),  # all fit
-    ({"mm": (100, 1000.0), "gelu": (40, 40.0), "norm": (20, 30.0)}, 0, set()),
-    ({"mm": (100, 1000.0), "gelu": (40, 40.0), "norm": (20, 30.0)}, 120, {"mm", "norm"}),  # gelu passed over
-    ({"mm": (100, 1000.0), "gelu": (40, 40.0), "norm": (20, 30.0)}, 100, {"mm"}),  # the cap itself fits
-    ({"mm": (100, 1000.0), "gelu": (40, 40.0), "norm": (20, 30.0)}, 99, {"norm", "gelu"}),
-    # the largest FLOPs are not the best buy: attention spares more per byte
-    ({"mm": (300, 3000.0), "attention": (50, 1000.0), "add": (10, 5.0)}, 310, {"attention", "add"}),
-    ({"mm": (300, 3000.0), "attention": (50, 1000.0), "add": (10, 5.0)}, 350, {"attention", "mm"}),
-    # the smallest bytes are not the best buy either
-    ({"big": (80, 8000.0), "small": (10, 10.0), "mid": (30, 900.0)}, 90, {"big", "small"}),
+MLP = {"mm": (100, 1000.0), "gelu": (40, 40.0), "norm": (20, 30.0)}
+BLOCK = {"mm": (300, 3000.0), "attention": (50, 1000.0), "add": (10, 5.0)}
+SAVINGS = [  # (costs {op: (bytes, FLOPs)}, cap, the ops kept, what this case has: said when it fails)
+    (MLP, 1000, {"mm", "gelu", "norm"}, "a cap that holds every op"),
+    (MLP, 0, set(), "a cap of nothing"),
+    (MLP, 120, {"mm", "norm"}, "mm and norm together fill the cap exactly"),
+    (MLP, 100, {"mm"}, "mm's bytes equal to the cap"),
+    (MLP, 99, {"norm", "gelu"}, "mm, the dearest, does not fit at all"),
+    (BLOCK, 310, {"attention", "add"}, "mm has the most FLOPs, attention the most FLOPs per byte"),
+    (BLOCK, 350, {"attention", "mm"}, "mm has the most FLOPs, attention the most FLOPs per byte"),
+    (
+        {"big": (80, 8000.0), "small": (10, 10.0), "mid": (30, 900.0)},
+        90,
+        {"big", "small"},
+        "the op of fewest bytes is the cheapest per byte",
+    ),
 ]
 
 
 def check_todo4(script):
-    for costs, cap, want in SAVINGS:
+    for costs, cap, want, case in SAVINGS:
         got = call(4, script.choose_saved, dict(costs), cap)
         assert set(got) == want, (
-            f"TODO 4: with {costs} ((bytes, FLOPs) per op) and a cap of {cap} bytes, keep {sorted(want)}: the dearest "
-            f"FLOPs per byte first, passing over what does not fit; got {sorted(got)}"
+            f"TODO 4: with {costs} ((bytes, FLOPs) per op) and a cap of {cap} bytes ({case}), keep {sorted(want)}; "
+            f"got {sorted(got)}"
         )
 
 
@@ -197,18 +202,22 @@ ROWS = [
     {"name": "selective", "tokens_per_s": 95.0, "peak_bytes": 300},
     {"name": "fused", "tokens_per_s": 95.0, "peak_bytes": 280},
 ]
-CAPS = [(1000, "compile"), (520, "compile"), (519, "baseline"), (300, "fused"), (279, "full checkpointing"),
-        (200, "full checkpointing"), (199, None)]  # fmt: skip
+CAPS = [  # (cap, the fastest row that fits, what this case has: said when it fails)
+    (1000, "compile", "every row fits"),
+    (520, "compile", "the fastest row's memory equal to the cap"),
+    (519, "baseline", "the fastest row just over the cap"),
+    (300, "fused", "selective and fused equally fast, fused in less memory"),
+    (279, "full checkpointing", "only the slowest row and the smallest fit"),
+    (200, "full checkpointing", "the smallest row's memory equal to the cap"),
+    (199, None, "no row fits"),
+]
 
 
 def check_todo5(script):
-    for cap, want in CAPS:
+    for cap, want, case in CAPS:
         got = call(5, script.fastest_under_cap, [dict(row) for row in ROWS], cap)
         name = None if got is None else got["name"]
-        assert name == want, (
-            f"TODO 5: under a cap of {cap} bytes the fastest that fits (equal fits; a tie goes to less memory) is "
-            f"{want}, got {name}"
-        )
+        assert name == want, f"TODO 5: under a cap of {cap} bytes ({case}) the fastest that fits is {want}, got {name}"
     assert call(5, script.fastest_under_cap, [], 100) is None, "TODO 5: an empty table has no fastest row: None"
 
 
