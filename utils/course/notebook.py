@@ -111,8 +111,8 @@ def stacks_of_a_hang(script, nproc: int, args=(), *, waits_in: str, timeout: flo
             summary = done.stdout.rpartition("summary: ")[2]
             if summary.startswith(f"all {nproc} ranks found wait in") and waits_in in summary:
                 return done.stdout
-            if "permission denied" in done.stderr:
-                raise RuntimeError(done.stderr.strip())
+            if done.returncode != 0 and "no torchrun" not in done.stderr:  # not only "not started yet"
+                raise RuntimeError(done.stderr.strip())  # the tool's one line: py-spy missing, permission denied
             if job.poll() is not None:
                 raise RuntimeError(f"{script} ended (exit code {job.returncode}) before its ranks waited in {waits_in}")
             if time.monotonic() > deadline:
