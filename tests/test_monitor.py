@@ -31,7 +31,7 @@ def watched(tmp_path_factory):
     folder = tmp_path_factory.mktemp("watched")
     run = torchrun(
         ROOT / "solutions" / "02_data_parallel.py", 2,
-        [*WATCHED, "--steps", "60", "--watch", INTERVAL, "--log-dir", folder / "logs"], tmp_path=folder,
+        [*WATCHED, "--steps", "250", "--watch", INTERVAL, "--log-dir", folder / "logs"], tmp_path=folder,
     )  # fmt: skip
     return run.check(), folder / "logs", time.time()
 

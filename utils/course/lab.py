@@ -258,6 +258,20 @@ def failure(name: str, outcomes: list[dict], todo: int) -> str | None:
     return f"TODO {todo}: {first_cause(lines)}{explained}.\nEvery rank:\n" + "\n".join(lines)
 
 
+# The words of a wait that ended without its partner: gloo's timeout, or a peer that gave up (or crashed) first.
+WAITED_IN_VAIN = ("timed out", "Timed out", "Connection closed", "Connection reset")
+
+
+def describe_lab_error(error: BaseException, stuck: str, width: int = 120) -> str:
+    """A live lab rank's error in one line: `stuck` for a wait that ended without its partner (which waiting rank
+    gives up first, and which then loses its peer, varies from run to run), else the exception's first line."""
+    text = str(error)
+    if any(words in text for words in WAITED_IN_VAIN):
+        return stuck
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"raised {type(error).__name__}: {first[:width]}"
+
+
 def failure_message(lines: list[str], todo: int, hint: str) -> str:
     """A failed lab's check message from its verdict's lines (one per rank, then "why: <cause>" lines): the TODO, the
     causes (else the first rank not right), a hint, then every line."""

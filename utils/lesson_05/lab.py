@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from utils.course.lab import failure_message, join_lab_group, start_rank, write_outcomes  # noqa: E402
+from utils.course.lab import describe_lab_error, failure_message, join_lab_group, start_rank, write_outcomes  # noqa: E402
 from utils.course.lessons import lesson  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
 
@@ -162,11 +162,7 @@ STUCK = f"waited until the {TIMEOUT_S:.0f} s timeout (or until a neighbour gave 
 
 
 def describe(error: BaseException) -> str:
-    text = str(error)
-    if any(word in text for word in ("timed out", "Timed out", "Connection closed", "Connection reset")):
-        return STUCK  # which waiting rank gives up first, and which then loses its neighbour, varies
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    return f"raised {type(error).__name__}: {first[:120]}"
+    return describe_lab_error(error, STUCK)
 
 
 def waited_for(batch) -> str:

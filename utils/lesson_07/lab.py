@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.utils import parameters_to_vector, vector_to_parameters  # noqa: E402
 
-from utils.course.lab import failure_message, join_lab_group, start_rank, write_outcomes  # noqa: E402
+from utils.course.lab import describe_lab_error, failure_message, join_lab_group, start_rank, write_outcomes  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
 
 RANKS, STEPS, RATIO, LR, SEED = 3, 3, 0.05, 0.5, 7  # the live run: 3 ranks, 3 SGD steps, 5% of the entries sent
@@ -55,11 +55,7 @@ def positions_problem(positions, numel: int, k: int) -> str | None:
 
 
 def describe(error: BaseException) -> str:
-    text = str(error)
-    if any(word in text for word in ("timed out", "Timed out", "Connection closed", "Connection reset")):
-        return f"waited until the {TIMEOUT_S:.0f} s timeout (or until a peer gave up)"
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    return f"raised {type(error).__name__}: {first[:120]}"
+    return describe_lab_error(error, f"waited until the {TIMEOUT_S:.0f} s timeout (or until a peer gave up)")
 
 
 def run_rank(random_k_positions, rank: int, world_size: int) -> dict:

@@ -39,7 +39,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from utils.course.lab import failure_message, join_lab_group, start_rank, wait_for_everyone, write_outcomes  # noqa: E402
+from utils.course.lab import (  # noqa: E402
+    WAITED_IN_VAIN,
+    describe_lab_error,
+    failure_message,
+    join_lab_group,
+    start_rank,
+    wait_for_everyone,
+    write_outcomes,
+)
 from utils.course.lessons import lesson  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
 from utils.model import ModelConfig, build_model, loss_fn  # noqa: E402
@@ -145,14 +153,13 @@ def files_in(folder: Path) -> list[str]:
 
 def describe(error: BaseException) -> str:
     text = str(error)
-    if any(word in text for word in ("timed out", "Timed out", "Connection closed", "Connection reset")):
-        return STUCK  # which waiting rank gives up first, and which then loses its peer, varies
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    if isinstance(error, CheckpointException) and lines:  # DCP gathers every rank's error: the last line is the cause
-        if "metadata read failed" in lines[-1]:
+    waited = any(words in text for words in WAITED_IN_VAIN)
+    if isinstance(error, CheckpointException) and lines and not waited:  # DCP gathers every rank's error: the last
+        if "metadata read failed" in lines[-1]:  # line is the cause
             return "found no .metadata in the folder, which it reads first"
         return f"raised {lines[-1][:160]}"
-    return f"raised {type(error).__name__}: {lines[0][:160] if lines else ''}"
+    return describe_lab_error(error, STUCK, width=160)
 
 
 def sharded_model(seed: int, world_size: int):

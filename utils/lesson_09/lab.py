@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from utils.course.lab import failure_message, join_lab_group, start_rank, write_outcomes  # noqa: E402
+from utils.course.lab import describe_lab_error, failure_message, join_lab_group, start_rank, write_outcomes  # noqa: E402
 from utils.course.lessons import lesson  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
 from utils.lesson_09.ring import Pending, Ring  # noqa: E402
@@ -106,11 +106,7 @@ class HandRing(Ring):
 
 
 def describe(error: BaseException) -> str:
-    text = str(error)
-    if any(word in text for word in ("timed out", "Timed out", "Connection closed", "Connection reset")):
-        return STUCK  # which waiting rank gives up first, and which then loses its peer, varies
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    return f"raised {type(error).__name__}: {first[:120]}"
+    return describe_lab_error(error, STUCK)
 
 
 def run_rank(pass_block, engine, rank: int, world_size: int) -> dict:
