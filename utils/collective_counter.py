@@ -42,12 +42,12 @@ notices when it does):
 """
 
 import inspect
+import sys
 from collections import Counter
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from utils.distributed_utils import CourseError
@@ -130,7 +130,8 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        if any(issubclass(t, DTensor) for t in types):
+        dtensor = sys.modules.get("torch.distributed.tensor")  # not imported (a second of start-up): no DTensor here
+        if dtensor is not None and any(issubclass(t, dtensor.DTensor) for t in types):
             return NotImplemented  # let DTensor turn its op into plain-tensor ops and collectives first
         kind = KINDS.get(func.namespace, {}).get(func._overloadpacket.__name__)
         if kind is not None:

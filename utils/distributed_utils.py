@@ -25,13 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.checkpoint.stateful import Stateful
 
 import utils.course.compat  # noqa: F401  (older torch gets the collective names the lessons use)
 from utils import monitor
@@ -310,8 +303,15 @@ def save0(obj, path):
 
 
 # --------------------------------------------------------------------------------------------------
-# Checkpoints
+# DTensors and checkpoints, imported where they are used: torch.distributed.tensor and .checkpoint cost every
+# process about a second of CPU time at start-up, which a lesson without DTensors has no use for
 # --------------------------------------------------------------------------------------------------
+
+
+def is_dtensor(tensor) -> bool:
+    """isinstance(tensor, DTensor), without importing DTensor: a program that never imported it holds none."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def save_full_model(model, optimizer, path):
@@ -320,6 +320,8 @@ def save_full_model(model, optimizer, path):
     Works for a plain module, DDP and FSDP2 alike. Every rank must call it: with sharded models
     gathering is a collective. The file loads with plain `torch.load` on one process.
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     save0({"model": model_state, "optimizer": optimizer_state}, path)
@@ -327,10 +329,11 @@ def save_full_model(model, optimizer, path):
         dist.barrier()  # nobody reads the file before rank 0 has finished writing it
 
 
-class AppState(Stateful):
+class AppState:
     """What a distributed checkpoint holds: the model and its optimizer, as (sharded) state dicts.
 
-    DCP calls state_dict() when saving and load_state_dict() when loading; get/set_state_dict
+    DCP calls state_dict() when saving and load_state_dict() when loading (it recognises the two methods: DCP's
+    Stateful is a protocol, not a base class to inherit); get/set_state_dict
     translate between the wrapped (DDP/FSDP) parameter names and plain ones, which is what
     lets a checkpoint written by 4 ranks load on 2.
     """
@@ -340,10 +343,14 @@ class AppState(Stateful):
         self.optimizer = optimizer
 
     def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer or [])
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(
             self.model,
             self.optimizer or [],
@@ -354,6 +361,8 @@ class AppState(Stateful):
 
 def save_sharded_model(model, optimizer, checkpoint_dir):
     """Each rank writes its own shards to `checkpoint_dir` (a folder, one file per rank)."""
+    import torch.distributed.checkpoint as dcp
+
     dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=str(checkpoint_dir))
 
 
@@ -361,6 +370,8 @@ def load_sharded_model(model, optimizer, checkpoint_dir):
     """Load a sharded checkpoint into `model`/`optimizer`, whatever world size wrote it."""
     if not (Path(checkpoint_dir) / ".metadata").exists():
         raise CourseError(f"no distributed checkpoint in {checkpoint_dir} (its .metadata file is missing)")
+    import torch.distributed.checkpoint as dcp
+
     dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=str(checkpoint_dir))
 
 

@@ -14,7 +14,8 @@ stages held by other ranks. Every function here that gathers is a collective: ev
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+
+from utils.distributed_utils import is_dtensor
 
 
 def gather_dim(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -36,7 +37,9 @@ def whole(tensor: torch.Tensor, tp_group=None, tp_dim: int | None = None) -> tor
     them into one all-gather, so it runs two and warns on every rank. Undoing the layers in the reverse order of
     building them, the outer (FSDP's) dimension first, is the same two all-gathers, each as planned, and no warning."""
     tensor = tensor.detach()
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
+        from torch.distributed.tensor import Replicate
+
         placements = list(tensor.placements)
         for dim in range(len(placements)):  # the mesh's outer dimension (applied last) first
             placements[dim] = Replicate()

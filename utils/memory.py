@@ -38,7 +38,8 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from utils.distributed_utils import is_dtensor
 
 PRECISIONS = {"fp32": (4, 4), "mixed": (2, 2), "bf16": (2, 4)}  # bytes per element of (parameters, gradients)
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8}  # fp32 bytes of state per parameter
@@ -160,7 +161,7 @@ class ActivationFootprint:
         self.storages = []  # keeps every storage seen alive until the block ends
 
     def _pack(self, tensor):
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        local = tensor._local_tensor if is_dtensor(tensor) else tensor
         base = tensor._base if tensor._base is not None else tensor
         if not isinstance(base, nn.Parameter) and not isinstance(tensor, nn.Parameter) and local.numel():
             storage = local.untyped_storage()

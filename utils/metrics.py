@@ -12,16 +12,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from utils import monitor
-from utils.distributed_utils import is_root_process
+from utils.distributed_utils import is_dtensor, is_root_process
 from utils.gather import checksum, whole
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The part of a tensor this rank stores."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def param_checksum(model: torch.nn.Module) -> float:

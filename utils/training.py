@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from utils import monitor
 from utils.data import DATASETS
-from utils.distributed_utils import Refusal, is_root_process
+from utils.distributed_utils import Refusal, is_dtensor, is_root_process
 from utils.model import TINY, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,8 +235,8 @@ def build_optimizer(params, args) -> torch.optim.Optimizer:
 def parameter_groups(model: torch.nn.Module) -> list[dict]:
     """DTensor parameters and plain ones in separate groups (for build_optimizer): a multi-tensor (foreach)
     optimizer step, the default on GPUs, cannot mix the two kinds in one call."""
-    dtensors = [p for p in model.parameters() if isinstance(p, DTensor)]
-    plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    dtensors = [p for p in model.parameters() if is_dtensor(p)]
+    plain = [p for p in model.parameters() if not is_dtensor(p)]
     return [{"params": group} for group in (dtensors, plain) if group]
 
 
