@@ -1,13 +1,11 @@
 """utils/distributed_utils.py under torchrun with 2 and 4 processes, under srun-style variables, and alone."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.harness.launch import ROOT, course_env, python, torchrun
+from tests.harness.launch import ROOT, course_env, python, srun_like_env, srun_tasks, torchrun
 from tests.workers.utils_check import batch, small_model
 from utils.distributed_utils import free_port
 
@@ -42,43 +40,16 @@ def test_setup_as_plain_python_is_a_world_of_one(tmp_path):
     assert (only["rank"], only["world_size"], only["is_root"]) == (0, 1, True)
 
 
-def srun_like_env(rank: int, ntasks: int, port: int) -> dict:
-    """What srun gives each task when there is no torchrun: SLURM_* variables, no RANK/WORLD_SIZE."""
-    env = {k: v for k, v in course_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(
-        SLURM_PROCID=str(rank),
-        SLURM_NTASKS=str(ntasks),
-        SLURM_LOCALID=str(rank),
-        SLURM_JOB_NODELIST="localhost",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        COURSE_TIMEOUT_S="20",
-    )
-    return env
-
-
 def test_setup_under_srun_without_torchrun(tmp_path):
-    port = free_port()
-    tasks = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), "basics", str(tmp_path)],
-            env=srun_like_env(rank, 2, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = [task.communicate(timeout=90)[0] for task in tasks]
-    assert [task.returncode for task in tasks] == [0, 0], "\n".join(outputs)
+    tasks = srun_tasks(WORKER, 2, ["basics", tmp_path])
+    assert [task.returncode for task in tasks] == [0, 0], "\n".join(task.tail() for task in tasks)
     ranks = json.loads((tmp_path / "basics.json").read_text())
     assert [(r["rank"], r["world_size"]) for r in ranks] == [(0, 2), (1, 2)]
 
 
 def test_a_missing_rank_fails_with_a_clear_message_not_a_hang(tmp_path):
     """srun asked for 2 tasks but only one started: setup() names the cause after the timeout."""
-    env = srun_like_env(0, 2, free_port())
-    env["COURSE_TIMEOUT_S"] = "5"
+    env = srun_like_env(0, 2, free_port(), course_env(COURSE_TIMEOUT_S=5))
     run = python(WORKER, ["basics", tmp_path], env=env, timeout=60)
     assert run.returncode == 2, run.tail()
     assert "only some of the 2 processes joined" in run.output, run.tail()

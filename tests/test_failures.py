@@ -4,11 +4,7 @@ The launcher's timeout (tests/harness/launch.py) turns a hang into a failed test
 proves the job ended by itself well within that bound.
 """
 
-import subprocess
-import sys
-
-from tests.harness.launch import ROOT, course_env, torchrun
-from utils.distributed_utils import free_port
+from tests.harness.launch import ROOT, course_env, srun_tasks, torchrun
 
 WORKER = ROOT / "tests" / "workers" / "failure_check.py"
 
@@ -33,19 +29,17 @@ def test_a_rank_that_crashes_ends_the_job_and_torchrun_names_it():
 def test_the_ranks_a_crash_leaves_waiting_say_so_in_one_line_each():
     """Each rank its own process, as srun starts them when it does not stop the job at the first exit: nothing
     stops the survivors, so each must end by itself, with the line that names the collective and the cause."""
-    env = course_env(COURSE_TIMEOUT_S=5, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=3)
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), "crash"],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(3)
-    ]
-    outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [2, 13, 2], outputs
+    ranks = srun_tasks(WORKER, 3, ["crash"], env=course_env(COURSE_TIMEOUT_S=5), timeout=60)
+    assert [rank.returncode for rank in ranks] == [2, 13, 2], [rank.output for rank in ranks]
     for rank in (0, 2):
-        assert f"[rank {rank}] ERROR: the collective at failure_check.py:" in outputs[rank], outputs[rank]
-        assert "Another rank crashed, is stuck, or skipped this collective" in outputs[rank], outputs[rank]
+        assert f"[rank {rank}] ERROR: the collective at failure_check.py:" in ranks[rank].output, ranks[rank].output
+        assert "Another rank crashed, is stuck, or skipped this collective" in ranks[rank].output, ranks[rank].output
+
+
+def test_a_refusal_is_printed_once_by_rank_0_under_srun_as_under_torchrun():
+    """srun sets SLURM_PROCID, not RANK: the launcher's rank decides who speaks before a group exists."""
+    ranks = srun_tasks(WORKER, 3, ["refuse"], timeout=60)
+    assert [rank.returncode for rank in ranks] == [2, 2, 2], [rank.output for rank in ranks]
+    said = [rank.output.count("ERROR: --experts 4 cannot be shared by 3 ranks") for rank in ranks]
+    assert said == [1, 0, 0], [rank.output for rank in ranks]
+    assert "[rank 0] ERROR:" in ranks[0].output, ranks[0].output

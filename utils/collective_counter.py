@@ -42,7 +42,6 @@ notices when it does):
 """
 
 import inspect
-import sys
 from collections import Counter
 from contextlib import contextmanager
 
@@ -50,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from utils.distributed_utils import CourseError
+from utils.distributed_utils import CourseError, loaded_dtensor_class
 
 # op name -> (kind, where the whole tensor is: "first" = the first argument (an all-reduce's tensors, a c10d
 # all-gather's output, a functional reduce-scatter's input), "second" = the second argument (a c10d
@@ -130,8 +129,8 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        dtensor = sys.modules.get("torch.distributed.tensor")  # not imported (a second of start-up): no DTensor here
-        if dtensor is not None and any(issubclass(t, dtensor.DTensor) for t in types):
+        dtensor = loaded_dtensor_class()
+        if dtensor is not None and any(issubclass(t, dtensor) for t in types):
             return NotImplemented  # let DTensor turn its op into plain-tensor ops and collectives first
         kind = KINDS.get(func.namespace, {}).get(func._overloadpacket.__name__)
         if kind is not None:

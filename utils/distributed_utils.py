@@ -55,6 +55,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launcher_rank() -> int:
+    """This process's global rank as its launcher gave it, before (or without) a process group.
+
+    torchrun sets RANK; srun alone sets SLURM_PROCID; a plain `python script.py` is rank 0."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
 def _launcher_environment() -> tuple[int, int, int]:
     """(local_rank, rank, world_size) from torchrun, from srun, or a world of one.
 
@@ -241,7 +248,7 @@ def run_main(main, *args, **kwargs):
         gc.collect()
         return result
     except Refusal as error:
-        if os.environ.get("RANK", "0") != "0":
+        if launcher_rank() != 0:
             time.sleep(3)  # rank 0 says it, once: its exit, not ours, should be the one the launcher sees first
             sys.exit(2)
         message = str(error)
@@ -261,7 +268,7 @@ def run_main(main, *args, **kwargs):
             f"the collective at {_where_in_course_code(error)} failed ({gist}). Another rank crashed, is stuck, "
             f"or skipped this collective (timeout: COURSE_TIMEOUT_S={timeout} s); the first error printed is the cause."
         )
-    print(f"[rank {os.environ.get('RANK', '0')}] ERROR: {message}", file=sys.stderr, flush=True)
+    print(f"[rank {launcher_rank()}] ERROR: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -282,7 +289,7 @@ def is_root_process() -> bool:
     must not freeze a wrong answer.
     """
     if not dist.is_initialized():
-        return int(os.environ.get("RANK", 0)) == 0
+        return launcher_rank() == 0
     return _root_cache()
 
 
@@ -308,10 +315,17 @@ def save0(obj, path):
 # --------------------------------------------------------------------------------------------------
 
 
-def is_dtensor(tensor) -> bool:
-    """isinstance(tensor, DTensor), without importing DTensor: a program that never imported it holds none."""
+def loaded_dtensor_class():
+    """DTensor's class where the program imported it, else None: a program that never imported it holds none
+    (importing it costs a second of start-up on every rank)."""
     module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
+    return None if module is None else module.DTensor
+
+
+def is_dtensor(tensor) -> bool:
+    """isinstance(tensor, DTensor), without importing DTensor."""
+    dtensor = loaded_dtensor_class()
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def save_full_model(model, optimizer, path):

@@ -28,6 +28,7 @@ from pathlib import Path
 from tests.harness.blame import blame_output
 from utils.course.notebook import kill_tree
 from utils.course.warm_ranks import SOCKET_VARIABLE, WarmRanks
+from utils.distributed_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_TRACE = "torch/distributed/run.py"  # torchrun's own traceback, printed after its ranks' errors
@@ -134,6 +135,34 @@ def python(script, args=(), *, tmp_path=None, timeout: float = 120, env=None, co
     if not cold and (pool := warm_pool(env)):
         return _run_warm(pool, command, script, None, timeout, env, metrics_path)
     return _run(command, timeout, env, metrics_path)
+
+
+def srun_like_env(rank: int, ntasks: int, port: int, env: dict | None = None) -> dict:
+    """What srun gives each task when there is no torchrun: SLURM_* variables, no RANK/WORLD_SIZE/LOCAL_RANK."""
+    env = {k: v for k, v in (env or course_env()).items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(
+        SLURM_PROCID=str(rank), SLURM_NTASKS=str(ntasks), SLURM_LOCALID=str(rank), SLURM_JOB_NODELIST="localhost",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    return env
+
+
+def srun_tasks(script, ntasks: int, args=(), *, env=None, timeout: float = 90) -> list[Run]:
+    """`script` as srun starts it without torchrun: each task its own process, none stopped when another exits."""
+    port = free_port()
+    command = [sys.executable, str(script), *map(str, args)]
+    tasks = [
+        subprocess.Popen(
+            command,
+            env=srun_like_env(rank, ntasks, port, env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(ntasks)
+    ]
+    outputs = [task.communicate(timeout=timeout)[0] for task in tasks]
+    return [Run(command, task.returncode, output, None) for task, output in zip(tasks, outputs)]
 
 
 _pool = None

@@ -2,6 +2,7 @@
 
 failure_check.py crash   rank 1 dies before a collective the others wait in
 failure_check.py skip    rank 1 stays alive but never joins the collective
+failure_check.py refuse  every rank refuses its options alike, before it joins the group
 """
 
 import os
@@ -14,10 +15,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import torch.distributed as dist
 
-from utils.distributed_utils import destroy_process_group, run_main, setup
+from utils.distributed_utils import Refusal, destroy_process_group, run_main, setup
 
 
 def main(mode: str):
+    if mode == "refuse":
+        raise Refusal("--experts 4 cannot be shared by 3 ranks: choose a multiple of 3")
     _, rank, _, _ = setup()
     if rank == 1 and mode == "crash":
         os._exit(13)  # as abrupt as a segfault or an out-of-memory kill

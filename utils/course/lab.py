@@ -95,6 +95,9 @@ WITHOUT_DETAIL = {"uneven"}
 
 STUCK = "was stuck waiting for another rank until the timeout (or until a stuck peer gave up)"
 
+# The words of a wait that ended without its partner: gloo's timeout, or a peer that gave up (or crashed) first.
+WAITED_IN_VAIN = ("timed out", "Timed out", "Connection closed", "Connection reset")
+
 
 def describe_error(error: BaseException) -> str:
     text = str(error)
@@ -102,13 +105,11 @@ def describe_error(error: BaseException) -> str:
     missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
     if missing:  # DETAIL's check before each collective: these ranks never arrived
         return f"waited in a collective for rank {missing.group(1).strip()}, which never joined it"
-    if "Timed out" in text or "timed out" in text:
-        return STUCK
     if "Detected mismatch between collectives" in text:
         shapes = re.findall(r"Rank (\d+) is running collective: .*?OpType=(\w+), TensorShape=\[([^\]]*)\]", text)
         said = "; ".join(f"rank {r}: {op} of shape [{shape}]" for r, op, shape in shapes)
         return f"DETAIL found a mismatch ({said})"
-    if "Connection closed" in text or "Connection reset" in text or isinstance(error, dist.DistError):
+    if any(words in text for words in WAITED_IN_VAIN) or isinstance(error, dist.DistError):
         return STUCK  # which of the waiting ranks times out first, and which then loses its peer, varies
     return f"raised {type(error).__name__}: {gist[:120]}"
 
@@ -256,10 +257,6 @@ def failure(name: str, outcomes: list[dict], todo: int) -> str | None:
     cause = likely_cause(name, outcomes)
     explained = f": {cause}" if cause else f". Hint: {hint(name)}"
     return f"TODO {todo}: {first_cause(lines)}{explained}.\nEvery rank:\n" + "\n".join(lines)
-
-
-# The words of a wait that ended without its partner: gloo's timeout, or a peer that gave up (or crashed) first.
-WAITED_IN_VAIN = ("timed out", "Timed out", "Connection closed", "Connection reset")
 
 
 def describe_lab_error(error: BaseException, stuck: str, width: int = 120) -> str:

@@ -40,7 +40,6 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from utils.course.lab import (  # noqa: E402
-    WAITED_IN_VAIN,
     describe_lab_error,
     failure_message,
     join_lab_group,
@@ -152,14 +151,13 @@ def files_in(folder: Path) -> list[str]:
 
 
 def describe(error: BaseException) -> str:
-    text = str(error)
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    waited = any(words in text for words in WAITED_IN_VAIN)
-    if isinstance(error, CheckpointException) and lines and not waited:  # DCP gathers every rank's error: the last
-        if "metadata read failed" in lines[-1]:  # line is the cause
+    described = describe_lab_error(error, STUCK, width=160)
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if isinstance(error, CheckpointException) and lines and described != STUCK:  # DCP gathers every rank's error:
+        if "metadata read failed" in lines[-1]:  # the last line is the cause
             return "found no .metadata in the folder, which it reads first"
         return f"raised {lines[-1][:160]}"
-    return describe_lab_error(error, STUCK, width=160)
+    return described
 
 
 def sharded_model(seed: int, world_size: int):
