@@ -5,9 +5,10 @@ hanging the suite. The script's metrics JSON (--metrics-out) comes back as a dic
 
 Launches are warm by default: the ranks fork from a process that imported torch once
 (utils/course/warm_ranks.py says what that changes), which makes a short launch take a second instead of
-ten on 2 cores. Each script's first torchrun launch in a test run (once, not once per pytest-xdist worker) runs
-torchrun itself, so every lesson still runs as a learner runs it; so do launches with `cold=True`, `max_restarts`,
-another environment's python, an environment that an import reads differently, or COURSE_COLD_RANKS=1.
+ten on 2 cores. Each lesson script's first torchrun launch in a test run (once, not once per pytest-xdist worker) runs
+torchrun itself, so every lesson still runs as a learner runs it (the tests' own workers are warm from the first); so
+do launches with `cold=True`, `max_restarts`, another environment's python, an environment that an import reads
+differently, or COURSE_COLD_RANKS=1.
 `make check` (a learner's exercise) and `make mutants` (hundreds of copies of a lesson, each in a session of its
 own) make the first launch warm too (COURSE_FIRST_LAUNCH_WARM=1): what they check is the TODOs, which torchrun
 does not change.
@@ -119,8 +120,12 @@ def torchrun(script, nproc: int, args=(), *, tmp_path=None, timeout: float = 180
     ]  # fmt: skip
     env = env or course_env()
     metrics_path = _metrics_path(command, script, tmp_path, str(nproc))
-    if cold is None:  # each script's first launch in a test run: torchrun itself
-        cold = os.environ.get("COURSE_FIRST_LAUNCH_WARM") != "1" and _first_torchrun_launch(script)
+    if cold is None:  # each lesson script's first launch in a test run: torchrun itself
+        cold = (
+            os.environ.get("COURSE_FIRST_LAUNCH_WARM") != "1"
+            and _run_by_learners(script)
+            and _first_torchrun_launch(script)
+        )
     if not (cold or max_restarts or str(python) != sys.executable) and (pool := warm_pool(env)):
         return _run_warm(pool, command, script, nproc, timeout, env, metrics_path)
     _first_torchrun_launch(script)  # this one is started by torchrun itself: later launches may be warm
@@ -167,6 +172,17 @@ def srun_tasks(script, ntasks: int, args=(), *, env=None, timeout: float = 90) -
 
 _pool = None
 _started_by_torchrun = set()  # the scripts this process has launched with torchrun itself (or seen launched)
+
+
+# The scripts a learner launches with torchrun: the lessons (solutions/, exercises/) and the labs and benchmarks their
+# notebooks start (utils/lesson_NN/). The tests' own workers (tests/workers/) and a test's copy of an exercise in a
+# temporary folder are instruments: torchrun's start-up (its agent and cold ranks, ~10 s of CPU) adds nothing there.
+LEARNERS_SCRIPTS = ("solutions", "exercises", "utils")
+
+
+def _run_by_learners(script) -> bool:
+    path = Path(script).resolve()
+    return path.is_relative_to(ROOT) and path.relative_to(ROOT).parts[0] in LEARNERS_SCRIPTS
 
 
 def _first_torchrun_launch(script) -> bool:
