@@ -27,6 +27,7 @@ from utils.course.lessons import load_script
 from utils.course.make_exercises import make_exercise
 from utils.distributed_utils import CourseError
 from utils.lesson_10 import bias_balancing
+from utils.lesson_10.lab import failure as lab_failure
 from utils.lesson_10.reference import kept_problem, reference_routing, slot_problem, train_reference
 
 TOLERANCE = 1e-6  # fp32, SGD: N ranks and one process differ only by the order of additions
@@ -505,3 +506,44 @@ def test_untouched_exercise_stops_at_todo1(tmp_path):
     exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
     result = python(exercise, [*COMMON, "--log-dir", tmp_path / "runs"], env=ENV, timeout=90)
     assert result.returncode == 2 and "ERROR: TODO 1: the router" in result.output, result.tail()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TODO 6: the debugging lab (padded buffers that do not match), on live ranks. The learner's capacity sizes the
+# solution's own padded dispatch and combine (utils/lesson_10/lab.py), so that a mistake in TODOs 1-4 is not blamed
+# on TODO 6.
+# ---------------------------------------------------------------------------------------------------------------
+
+LAB = ROOT / "utils" / "lesson_10" / "lab.py"
+LAB_RANKS = 3
+
+
+def test_todo6_lab_every_rank_uses_the_capacity_of_the_largest_token_count(script, lesson, tmp_path):
+    """3 live ranks on gloo (5 s timeout) holding 10, 16 and 7 tokens: every rank returns the same int, the capacity
+    of the most tokens any rank holds, its collective names the group, and the padded all-to-all with it gives every
+    rank one process's output."""
+    if not hasattr(script, "shared_capacity"):
+        pytest.fail("TODO 6: the script has no shared_capacity (the lab at the end of the exercise)", pytrace=False)
+    result = torchrun(LAB, LAB_RANKS, [lesson("10")], tmp_path=tmp_path, timeout=120, env=ENV).check()
+    message = lab_failure(result.metrics, 6)
+    assert message is None, message
+
+
+def test_the_lab_stops_buffers_that_do_not_match_within_seconds_naming_the_pairs(target, request, tmp_path):
+    """The untouched capacity (each rank's own) differs from rank to rank: the lab stops before the rows' all-to-all,
+    in which gloo would abort a rank, and names which rank would send how many rows to whom."""
+    if target == "exercises" or request.config.getoption("--target-dir"):
+        pytest.skip("a property of the lab itself, checked with the solutions")
+    solution = ROOT / "solutions" / "10_mixture_of_experts.py"
+    exercise = tmp_path / solution.name
+    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    result = torchrun(LAB, LAB_RANKS, [exercise], tmp_path=tmp_path, timeout=120, env=ENV).check()
+    ranks = result.metrics["ranks"]
+    assert [outcome["capacity"] for outcome in ranks] == [4, 6, 3], ranks
+    assert not any(outcome["agreed"] or outcome["error"] for outcome in ranks), ranks
+    assert max(outcome["seconds"] for outcome in ranks) < 30, [outcome["seconds"] for outcome in ranks]
+    message = lab_failure(result.metrics, 6)
+    assert "rank 1 (16 tokens): capacity 6, so it sends 2 x 6 rows to every rank" in message, message
+    assert "rank 1 would send 2 x 6 rows to rank 0, which expects 2 x 4: gloo would abort rank 0" in message, message
+    assert "rank 1 would go on with 2 x 3 slots never written" in message, message
+    assert "each rank's capacity comes from its own token count (10, 16, 7 tokens -> 4, 6, 3)" in message, message

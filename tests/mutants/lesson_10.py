@@ -25,6 +25,14 @@ ORDER = "    order = torch.argsort(flat_experts, stable=True)\n"
 EXCHANGE_COUNTS = "    dist.all_to_all_single(recv_counts, counts, group=group)\n"
 ADD_BACK = "    return output.index_add(0, plan.order // k, back * gates[:, None])\n"
 AVERAGE = "    dist.all_reduce(flat, group=group)\n    flat /= world_size\n"
+LARGEST = (  # TODO 6's answer, the lines the lab's mistakes replace
+    "    largest = torch.tensor(n_tokens)\n"
+    "    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)  # the rank with the most tokens sizes every "
+    "buffer\n"
+    "    return math.ceil(capacity_factor * int(largest) * k / n_experts)\n"
+)
+CAPACITY = "    return math.ceil(capacity_factor * int(largest) * k / n_experts)\n"
+REDUCE = "    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)"  # (HINT 3 spells it after a semicolon)
 
 MUTANTS = [
     # TODO 1: the router
@@ -172,6 +180,34 @@ MUTANTS = [
            find="received = exchange(tokens[order // k], recv_splits, send_splits, group)",
            replace="received = exchange(tokens[order // k], send_splits, recv_splits, group)",
            shows=("swapped",)),
+    # TODO 6: the lab (padded buffers that do not match)
+    Mutant(todo=6, what="each rank's capacity from its own token count (the exercise as handed out)",
+           find=LARGEST, replace="    return math.ceil(capacity_factor * n_tokens * k / n_experts)\n",
+           shows=("from its own token count", "gloo would abort rank 0")),
+    Mutant(todo=6, what="the token counts summed over the ranks: the same on every rank, but N times the buffers",
+           find=REDUCE, replace=REDUCE.replace("MAX", "SUM"),
+           shows=("the sum of the ranks' counts", "nothing crashes")),
+    Mutant(todo=6, what="the smallest token count of any rank: the busier ranks drop choices the factor keeps",
+           find=REDUCE, replace=REDUCE.replace("MAX", "MIN"),
+           shows=("the fewest any rank holds", "drop")),
+    Mutant(todo=6, what="the all-reduce without group=: it runs over the whole job, not the expert-parallel group",
+           find=REDUCE, replace=REDUCE.replace(", group=group", ""),
+           shows=("did not name `group`",)),
+    Mutant(todo=6, what="the capacity not rounded: a float",
+           find=CAPACITY, replace="    return capacity_factor * int(largest) * k / n_experts\n",
+           shows=("a float", "not an int")),
+    Mutant(todo=6, what="rounded up with torch.ceil on the tensor, then .item(): a float (6.0)",
+           find=CAPACITY, replace="    return torch.ceil(capacity_factor * largest * k / n_experts).item()\n",
+           shows=("6.0", "not an int")),
+    Mutant(todo=6, what="the largest count's capacity rounded down with int()",
+           find=CAPACITY, replace="    return int(capacity_factor * int(largest) * k / n_experts)\n",
+           shows=("rounded down",)),
+    Mutant(todo=6, what="each rank's capacity all-reduced with MAX, the tensor itself returned",
+           find=LARGEST,
+           replace="    capacity = torch.tensor(math.ceil(capacity_factor * n_tokens * k / n_experts))\n"
+                   "    dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=group)\n"
+                   "    return capacity\n",
+           shows=("tensor), not an int",)),
 ]  # fmt: skip
 
 VARIANTS = [  # correct answers written another way: each TODO's tests must accept them
@@ -234,4 +270,20 @@ VARIANTS = [  # correct answers written another way: each TODO's tests must acce
                 "    output = back.new_zeros(n_tokens, back.shape[1])\n" + ADD_BACK,
            replace="    unsorted = back[torch.argsort(plan.order)].view(n_tokens, k, -1)\n"
                    "    return (unsorted * routing.gates[..., None]).sum(dim=1)\n"),
+    # TODO 6: the largest count, or the largest capacity (ceil is monotone: the same number), however gathered
+    Mutant(todo=6, what="each rank's own capacity, then its maximum over the group (all-reduce MAX, .item())",
+           find=LARGEST,
+           replace="    capacity = torch.tensor(math.ceil(capacity_factor * n_tokens * k / n_experts))\n"
+                   "    dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=group)\n"
+                   "    return capacity.item()\n"),
+    Mutant(todo=6, what="every rank's token count gathered as Python objects, then the largest",
+           find=LARGEST,
+           replace="    counts = [None] * dist.get_world_size(group)\n"
+                   "    dist.all_gather_object(counts, n_tokens, group=group)\n"
+                   "    return math.ceil(capacity_factor * max(counts) * k / n_experts)\n"),
+    Mutant(todo=6, what="the unrounded capacity as a float tensor, all-reduced with MAX, then math.ceil",
+           find=LARGEST,
+           replace="    share = torch.tensor(capacity_factor * n_tokens * k / n_experts, dtype=torch.float64)\n"
+                   "    dist.all_reduce(share, op=dist.ReduceOp.MAX, group=group)\n"
+                   "    return math.ceil(share.item())\n"),
 ]  # fmt: skip
