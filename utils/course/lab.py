@@ -16,9 +16,11 @@ DETAIL checks shapes first and raises a readable error on every rank instead.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -257,6 +259,29 @@ def failure(name: str, outcomes: list[dict], todo: int) -> str | None:
     cause = likely_cause(name, outcomes)
     explained = f": {cause}" if cause else f". Hint: {hint(name)}"
     return f"TODO {todo}: {first_cause(lines)}{explained}.\nEvery rank:\n" + "\n".join(lines)
+
+
+@contextlib.contextmanager
+def outermost_calls(record):
+    """Run the code inside with `record(frame)` asked about each Python call it makes, as the call starts (before it
+    can block), with its arguments in frame.f_locals however the code spells the call. A profile hook does it. When
+    `record` returns True the call is noted, and the calls it makes in turn are not asked about until it returns
+    (dist.send calls isend, all_gather_object calls all_gather, dcp.save its own machinery: not the learner's)."""
+    inside = []  # the frame of the call being noted, while it runs
+
+    def hook(frame, event, arg):
+        if inside:
+            if event == "return" and frame is inside[0]:
+                inside.clear()
+        elif event == "call" and record(frame):
+            inside.append(frame)
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
 
 
 def describe_lab_error(error: BaseException, stuck: str, width: int = 120) -> str:

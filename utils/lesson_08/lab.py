@@ -43,6 +43,7 @@ from utils.course.lab import (  # noqa: E402
     describe_lab_error,
     failure_message,
     join_lab_group,
+    outermost_calls,
     start_rank,
     wait_for_everyone,
     write_outcomes,
@@ -72,18 +73,11 @@ def recording(calls: list, folder: Path, writes: "Writes"):
     it can block). A profile hook sees every Python call with its arguments however the code spells it (dcp.save,
     a name imported from torch.distributed.checkpoint, a FileSystemWriter). Only the outermost call counts: DCP's
     own calls inside it are not the learner's."""
-    inside = []  # the frame of the call being recorded, while it runs
 
-    def hook(frame, event, arg):
-        if inside:
-            if event == "return" and frame is inside[0]:
-                inside.clear()
-            return
-        if event != "call":
-            return
+    def record(frame) -> bool:
         name = SAVERS.get((frame.f_code.co_filename, frame.f_code.co_name))
         if name is None:
-            return
+            return False
         arguments = frame.f_locals
         if name == "torch.save":
             into = arguments.get("f")
@@ -92,14 +86,10 @@ def recording(calls: list, folder: Path, writes: "Writes"):
             writer = arguments.get("storage_writer")
             into = arguments.get("checkpoint_id") or getattr(writer, "path", None)
         calls.append({"name": name, "into": where(into, folder), "no_dist": bool(arguments.get("no_dist"))})
-        inside.append(frame)
+        return True
 
-    previous = sys.getprofile()
-    sys.setprofile(hook)
-    try:
+    with outermost_calls(record):
         yield calls
-    finally:
-        sys.setprofile(previous)
 
 
 class Writes:

@@ -30,7 +30,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from utils.course.lab import describe_lab_error, failure_message, join_lab_group, start_rank, write_outcomes  # noqa: E402
+from utils.course.lab import (  # noqa: E402
+    describe_lab_error,
+    failure_message,
+    join_lab_group,
+    outermost_calls,
+    start_rank,
+    write_outcomes,
+)
 from utils.course.lessons import lesson  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
 from utils.lesson_09.ring import Pending, Ring  # noqa: E402
@@ -53,15 +60,10 @@ def recording(calls: list):
     """Append [name, peer] to `calls` for each point-to-point call the code inside makes, as it makes it (before it
     can block; peer None: any rank). A profile hook sees every Python call with its arguments, however the hop spells
     it (dist.send, or P2POps in a batch_isend_irecv). Only the outermost call counts: send itself calls isend."""
-    inside = []  # the frame of the call being recorded, while it runs
 
-    def hook(frame, event, arg):
-        if inside:
-            if event == "return" and frame is inside[0]:
-                inside.clear()
-            return
-        if event != "call" or frame.f_code.co_filename != C10D:
-            return
+    def record(frame) -> bool:
+        if frame.f_code.co_filename != C10D:
+            return False
         name, arguments = frame.f_code.co_name, frame.f_locals
         if name == "batch_isend_irecv":
             calls.extend([op.op.__name__, op.peer] for op in arguments["p2p_op_list"])
@@ -69,15 +71,11 @@ def recording(calls: list):
             peer = arguments[PEER[name]]
             calls.append([name, arguments["group_" + PEER[name]] if peer is None else peer])
         else:
-            return
-        inside.append(frame)
+            return False
+        return True
 
-    previous = sys.getprofile()
-    sys.setprofile(hook)
-    try:
+    with outermost_calls(record):
         yield calls
-    finally:
-        sys.setprofile(previous)
 
 
 def whose(received, blocks: list) -> int:

@@ -106,21 +106,16 @@ def padded_step(engine, capacity: int, rank: int, group) -> tuple[torch.Tensor, 
 
 
 def collectives(calls: list, group):
-    """A profile hook that appends [name, whether it named `group`] for each torch.distributed collective called
-    (the outermost only: all_gather_object calls all_gather itself)."""
-    inside = []
+    """For outermost_calls: append [name, whether it named `group`] for each torch.distributed collective called (the
+    outermost only: all_gather_object calls all_gather itself)."""
 
-    def hook(frame, event, arg):
-        if inside:
-            if event == "return" and frame is inside[0]:
-                inside.clear()
-            return
-        if event != "call" or frame.f_code.co_filename != C10D or frame.f_code.co_name not in COLLECTIVES:
-            return
+    def record(frame) -> bool:
+        if frame.f_code.co_filename != C10D or frame.f_code.co_name not in COLLECTIVES:
+            return False
         calls.append([frame.f_code.co_name, frame.f_locals.get("group") is group])
-        inside.append(frame)
+        return True
 
-    return hook
+    return record
 
 
 def as_capacity(value) -> int | str:
@@ -137,17 +132,14 @@ def run_rank(shared_capacity, store, rank: int, world_size: int, group) -> dict:
     agree) the rows' all-to-all."""
     outcome = {"tokens": TOKENS[rank], "capacity": None, "error": None, "calls": [], "agreed": False,
                "difference": None, "kept": None}  # fmt: skip
-    previous = sys.getprofile()
-    sys.setprofile(collectives(outcome["calls"], group))
     try:
-        answer = as_capacity(shared_capacity(TOKENS[rank], TOP_K, EXPERTS, FACTOR, group=group))
+        with course_lab.outermost_calls(collectives(outcome["calls"], group)):
+            answer = as_capacity(shared_capacity(TOKENS[rank], TOP_K, EXPERTS, FACTOR, group=group))
         outcome["capacity" if isinstance(answer, int) else "error"] = answer
     except NotImplementedError as error:
         outcome["error"] = f"not done: {error}"
     except Exception as error:  # noqa: BLE001 - a timeout, a peer that gave up, or the learner's code raising
         outcome["error"] = course_lab.describe_lab_error(error, STUCK)
-    finally:
-        sys.setprofile(previous)
     store.set(f"lab/capacity/{rank}", json.dumps(outcome["capacity"]))  # the store: the group may be broken
     course_lab.wait_for_everyone(store, "lab/capacities", world_size, timeout_s=60)
     everyone = [json.loads(store.get(f"lab/capacity/{r}")) for r in range(world_size)]
