@@ -3,6 +3,8 @@
 Each test starts its own ranks, so these take a while on a busy 2-core machine (about 10 s each when idle).
 """
 
+import os
+import signal
 import time
 
 import psutil
@@ -13,6 +15,7 @@ pytest.importorskip("ipyparallel")
 from ipyparallel.error import CompositeError  # noqa: E402
 
 from tests.harness.launch import ROOT  # noqa: E402
+from utils.course import notebook  # noqa: E402
 from utils.course.notebook import _visible_gpus, explain, start_ranks  # noqa: E402
 
 GPUS = _visible_gpus()  # NCCL with one GPU per rank where GPUs exist, gloo on the CPU otherwise
@@ -132,5 +135,33 @@ def test_lab_ranks_use_gloo_even_with_gpus_grade_each_case_and_recover(tmp_path)
         assert lines[2] == "rank 2: count_real_tokens returned 0, not 4", lines
         passed, lines = ranks.run_lab("skip", "solutions/01_collectives.py")  # the group works again
         assert passed, lines
+    finally:
+        ranks.stop()
+
+
+@pytest.mark.skipif(0 < GPUS < 2, reason="2 ranks need 2 GPUs with NCCL; hide the GPUs to test on the CPU")
+def test_ranks_that_never_answer_are_replaced_not_waited_for(monkeypatch):
+    """A controller whose command queue never started (a port taken between ipyparallel's choice and its bind) left
+    start_ranks() waiting forever in CI. Here an engine that never answers stands for it (stopped with SIGSTOP):
+    start_ranks() gives up on those ranks within its answer timeout, kills them and starts new ones that work."""
+    started = []
+    start_engines = notebook.Ranks._start_engines
+
+    def first_one_stuck(self, ipp, world_size):
+        start_engines(self, ipp, world_size)
+        started.append(list(self.processes))
+        if len(started) == 1:  # the first set: one engine never answers
+            os.kill(self.client[self.engine_ids[1]].apply_sync(os.getpid), signal.SIGSTOP)
+
+    monkeypatch.setattr(notebook.Ranks, "_start_engines", first_one_stuck)
+    monkeypatch.setattr(notebook, "ANSWER_TIMEOUT_S", 5)
+    begin = time.perf_counter()
+    ranks = start_ranks(2, timeout_s=5)
+    try:
+        assert len(started) == 2, f"started {len(started)} sets of ranks, not 2"
+        assert time.perf_counter() - begin < 120
+        assert ranks.pull_expression("rank") == [0, 1]
+        _, alive = psutil.wait_procs([p for p in started[0] if p.is_running()], timeout=30)
+        assert not [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE], "the stuck ranks were left running"
     finally:
         ranks.stop()

@@ -135,6 +135,8 @@ CLUSTER_PREFIX = "course-ranks-"  # the clusters start_ranks() makes; `stop-rank
 PROFILE_DIR = ROOT / "runs" / "live_ranks"
 
 JOIN_TIMEOUT_S = 60  # how long the live ranks wait for each other to join (their collectives: timeout_s)
+ANSWER_TIMEOUT_S = 30  # how long new ranks may take to run their first command (a second or two, but for a fault)
+STARTS = 3  # how many times start_ranks() starts them before it gives up (see Ranks._answer)
 
 # Run on every engine, with {placeholders} filled per rank: join the group the way a script does.
 _JOIN = """
@@ -208,8 +210,31 @@ class Ranks:
                 f"start at most {gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to use the CPU and gloo"
             )
         self.world_size, self.seed = world_size, seed
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
         PROFILE_DIR.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1, STARTS + 1):
+            self._start_engines(ipp, world_size)
+            if self._answer(ANSWER_TIMEOUT_S):
+                break
+            self.client.close(linger=0)
+            self.kill()  # a controller without its queue (see _answer): start afresh, on new ports
+            if attempt == STARTS:
+                from utils.distributed_utils import CourseError
+
+                raise CourseError(
+                    f"the {world_size} live ranks did not answer within {ANSWER_TIMEOUT_S} s, {STARTS} times (their "
+                    f"logs: {PROFILE_DIR / 'log'}); run the cell again, or restart the kernel"
+                )
+        self.restart(timeout_s=timeout_s, debug=debug)
+        shell = _interactive_shell()
+        if shell is not None:  # %%px and %px now run on these ranks
+            _kill_ranks_on_sigterm()
+            self.view.activate()
+            # One block of output per cell, in rank order, and no progress widget (reproducible outputs).
+            shell.run_line_magic("pxconfig", "--no-stream --progress-after -1")
+
+    def _start_engines(self, ipp, world_size: int):
+        """Start a controller and `world_size` engines, connect to them, and note their processes."""
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
         self.cluster = ipp.Cluster(
             # The id names this process (the notebook's kernel): `stop-ranks` stops only ranks whose kernel is gone.
             n=world_size,
@@ -231,13 +256,17 @@ class Ranks:
         self.view.block = True
         self.processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         _LIVE.add(self)  # killed at once if the kernel exits before stop(): see _kill_live_ranks
-        self.restart(timeout_s=timeout_s, debug=debug)
-        shell = _interactive_shell()
-        if shell is not None:  # %%px and %px now run on these ranks
-            _kill_ranks_on_sigterm()
-            self.view.activate()
-            # One block of output per cell, in rank order, and no progress widget (reproducible outputs).
-            shell.run_line_magic("pxconfig", "--no-stream --progress-after -1")
+
+    def _answer(self, timeout_s: float) -> bool:
+        """Whether every engine runs a command within `timeout_s`. ipyparallel picks its controller's ports first and
+        binds them later: when another process takes one in between, the queue that carries commands to the engines
+        never starts (its log says "Address already in use"), the engines still register, and every command then
+        waits forever. Seen on a busy machine, where ports come and go by the hundred."""
+        try:
+            self.view.execute("pass", block=False).get(timeout=timeout_s)
+        except TimeoutError:  # ipyparallel's is one
+            return False
+        return True
 
     def restart(self, timeout_s: float | None = None, debug: str | None = None):
         """(Re-)create the process group on every rank, on a fresh port: after a collective timed out,
@@ -255,7 +284,7 @@ class Ranks:
             self.debug = debug
         elif not hasattr(self, "debug"):
             self.debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
-        self.view.execute(_LEAVE, block=True)
+        self.view.execute(_LEAVE, block=False).get(timeout=ANSWER_TIMEOUT_S)  # leaving takes no collective
         port = free_port()
         pending = []
         for rank, engine in enumerate(self.engine_ids):
