@@ -166,13 +166,9 @@ MUTANTS = [
     Mutant(todo=8, what="FSDP2's DP shards taken for copies (as after DDP's average): added on DP rank 0 only",
            find=ONE_COPY, replace='if place["dp"] == 0 and all(place[dim] == 0 for dim in copies):',
            shows=("only DP rank 0 adds FSDP2's shards",)),
-    # The lab names no cause for "DTensor placements ignored", "the square root before the all-reduce" and "the
-    # stages taken for copies" (its line says which layout is off, and by what factor): once utils/lesson_06/lab.py
-    # has a rule for each, their shows become ("a sharded piece",), ("square root before the all-reduce",) and
-    # ("only the first stage adds",).
     Mutant(todo=8, what="DTensor placements ignored: built in, every shard added on rank (dp 0, tp 0) only",
            find=DTENSOR_SHARDS, replace="",
-           shows=("built-in (1, 2, 2)", "one process's")),
+           shows=("a sharded piece",)),
     Mutant(todo=8, what="no all-reduce: each rank's norm of its own pieces",
            find=ALL_REDUCE, replace="",
            shows=("no collective adds the other ranks'",)),
@@ -186,14 +182,14 @@ MUTANTS = [
     Mutant(todo=8, what="the square root before the all-reduce: adds the ranks' norms, not their squares",
            find=ALL_REDUCE + RETURN,
            replace="    norm = squares.sqrt()\n    dist.all_reduce(norm)\n    return norm\n",
-           shows=("every rank's norm", "one process's")),
+           shows=("square root before the all-reduce",)),
     Mutant(todo=8, what="averages the ranks' squares (ReduceOp.AVG) to undo the copies",
            find=ONE_COPY + "\n" + INDENTED_LOCAL_ADD + ALL_REDUCE,
            replace="if True:\n" + INDENTED_LOCAL_ADD + "    dist.all_reduce(squares, op=dist.ReduceOp.AVG)\n",
            shows=("every rank's norm", "one process's")),
     Mutant(todo=8, what="the stages taken for copies too: only the first stage adds its squares",
            find=COPIES, replace='copies = {"pp", "dp", "tp"} - ({"tp"} if hasattr(p, "tp_dim") else set())',
-           shows=("scratch (2, 1, 2)", "one process's")),
+           shows=("only the first stage adds",)),
     Mutant(todo=8, what="squares a DTensor gradient without to_local(): a DTensor added to a tensor",
            find=INDENTED_LOCAL_ADD, replace=INDENTED_LOCAL_ADD.replace(LOCAL, "local = p.grad"),
            shows=("raised",)),

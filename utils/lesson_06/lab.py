@@ -20,6 +20,7 @@ import itertools
 import math
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,8 +48,11 @@ DIMS = ("pp", "dp", "tp")
 HINT = "take one element of a parameter TP keeps whole, and one of a TP shard: on how many ranks does each sit"
 
 
+WAITED = f"waited until the {TIMEOUT_S:.0f} s timeout (or until a peer gave up)"
+
+
 def describe(error: BaseException) -> str:
-    return course_lab.describe_lab_error(error, f"waited until the {TIMEOUT_S:.0f} s timeout (or until a peer gave up)")
+    return course_lab.describe_lab_error(error, WAITED)
 
 
 def pieces(stage, place: dict[str, int]) -> dict[str, float]:
@@ -86,7 +90,10 @@ def one_step(three_d, impl: str, shape: tuple[int, int, int], rank: int, inputs,
         three_d.pipeline_step(stage, grid, steps, mine, theirs, MICROBATCHES, shape_between, inputs.device)
         three_d.average_gradients(stage.parameters(), grid.groups["dp"])
     else:  # one stage: the built-in's pipeline schedule is lesson 05's; here DTensor TP and FSDP2 are the point
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=DIMS)
+        options = dist.ProcessGroupGloo._Options()  # the mesh's groups give up after TIMEOUT_S too, as the lab's
+        options._timeout = timedelta(seconds=TIMEOUT_S)
+        overrides = {dim: ("gloo", options) for dim in DIMS}
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=DIMS, backend_override=overrides)
         stage = three_d.parallelize_builtin(model, mesh, place["pp"])
         output_not_a_view(stage)
         grid = three_d.Grid(layout, rank, place, groups={}, members={})
@@ -178,6 +185,15 @@ RULES = {
         "only DP rank 0 adds FSDP2's shards, but each DP rank holds a different piece (a DTensor gradient whose "
         "placement on dp is Shard)",
     ),
+    "shards": (
+        lambda copies, sharded: copies | sharded,
+        "only rank 0 of each dimension adds its squares, but a sharded piece (a TP shard; built in, a DTensor gradient "
+        "whose placement is Shard) differs from rank to rank: the other ranks' pieces are missing",
+    ),
+    "stages": (
+        lambda copies, sharded: copies | {"pp"},
+        "only the first stage adds its squares, but each stage holds other parameters: the later stages' are missing",
+    ),
 }
 
 
@@ -186,9 +202,8 @@ def _kind(key: str) -> tuple[set, set]:
     return set(filter(None, copies.split(","))), set(filter(None, sharded.split(",")))
 
 
-def _candidate(layouts: list[dict], rule, summed: set) -> list[float]:
-    """Each rank's norm if it added its pieces by `rule` and summed them over the ranks that differ from it only in
-    the dimensions `summed` (all three: an all-reduce over the world)."""
+def _added(layouts: list[dict], rule) -> list[float]:
+    """Each rank's squares if it added its pieces by `rule`."""
     added = []
     for seen in layouts:
         total = 0.0
@@ -196,7 +211,13 @@ def _candidate(layouts: list[dict], rule, summed: set) -> list[float]:
             if all(seen["place"][dim] == 0 for dim in rule(*_kind(key))):
                 total += squares
         added.append(total)
-    norms = []
+    return added
+
+
+def _candidate(layouts: list[dict], rule, summed: set) -> list[float]:
+    """Each rank's norm if it added its pieces by `rule` and summed them over the ranks that differ from it only in
+    the dimensions `summed` (all three: an all-reduce over the world)."""
+    added, norms = _added(layouts, rule), []
     for seen in layouts:
         peers = [i for i, other in enumerate(layouts)
                  if all(other["place"][dim] == seen["place"][dim] for dim in DIMS if dim not in summed)]  # fmt: skip
@@ -208,39 +229,65 @@ def _close(a: float, b: float, tolerance: float) -> bool:
     return abs(a - b) <= tolerance * max(abs(b), 1e-12)
 
 
-def likely_cause(layouts: list[dict], tolerance: float) -> str | None:
-    """The first known mistake whose norms, rank by rank, are the learner's; None when none is."""
+def likely_causes(layouts: list[dict]) -> list[str]:
+    """Every known mistake whose norms, rank by rank, are the learner's, in words, the likeliest first: an all-reduce
+    over the world before one over a subgroup. A dimension of size 1 sums nothing: a group over it is left out, so
+    that a missing all-reduce is not named as one over that dimension."""
     norms = [seen["norm"] for seen in layouts]
-    for (name, (rule, words)), size in itertools.product(RULES.items(), (3, 2, 1, 0)):
+    real = {dim for dim in DIMS if any(seen["place"][dim] for seen in layouts)}  # the dimensions of size > 1
+    found, tried = [], set()
+
+    def matches(predicted, power=1):
+        return all(_close(n, p**power, 1e-4) for n, p in zip(norms, predicted))
+
+    for size, (name, (rule, words)) in itertools.product((3, 2, 1, 0), RULES.items()):
         for summed in map(set, itertools.combinations(DIMS, size)):
+            effective = frozenset(summed & real)
+            if (name, effective) in tried:
+                continue
+            tried.add((name, effective))
             predicted = _candidate(layouts, rule, summed)
-            if all(_close(n, p, 1e-4) for n, p in zip(norms, predicted)):
-                if name == "right" and size == 3:
-                    return None
-                if size == 3:
-                    return words
-                over = " and ".join(sorted(summed, key=DIMS.index)) or "no"
-                where = (f"the squares are summed over the {over} group only, so ranks that differ in another "
-                         "coordinate (another stage, shard or replica) never add each other's pieces") if size else (
-                         "each rank's norm is its own pieces' alone: no collective adds the other ranks'")  # fmt: skip
-                return where if name == "right" else f"{words}; and {where}"
-            if all(_close(n, p * p, 1e-4) for n, p in zip(norms, predicted)) and name == "right" and size == 3:
-                return "the value returned is the sum of the squares, not its square root"
-    return None
+            if effective == real:  # an all-reduce over the world
+                if name == "right" and matches(predicted, 2):
+                    found.append("the value returned is the sum of the squares, not its square root")
+                elif name == "right" and matches([sum(map(math.sqrt, _added(layouts, rule)))] * len(layouts)):
+                    found.append("each rank takes the square root before the all-reduce, which then adds the ranks' "
+                                 "norms, not their squares")  # fmt: skip
+                elif matches(predicted) and words:
+                    found.append(words)
+                continue
+            if not matches(predicted):
+                continue
+            over = " and ".join(sorted(effective, key=DIMS.index))
+            where = (f"the squares are summed over the {over} group only, so ranks that differ in another coordinate "
+                     "(another stage, shard or replica) never add each other's pieces") if effective else (
+                     "each rank's norm is its own pieces' alone: no collective adds the other ranks'")  # fmt: skip
+            found.append(where if name == "right" else f"{words}; and {where}")
+    return found
+
+
+def named_causes(failing: list[list[dict]]) -> list[str]:
+    """What to name for the failing layouts: the first cause that explains every one of them, else each one's first
+    (a rule may fit one layout by chance: with dp 1, adding every copy looks like adding the TP copies)."""
+    found = [likely_causes(layouts) for layouts in failing]
+    common = [words for words in found[0] if all(words in other for other in found[1:])]
+    return common[:1] or list(dict.fromkeys(causes[0] for causes in found if causes))
 
 
 def verdict(record: dict) -> tuple[bool, list[str]]:
     """(passed, one line per layout, then the cause): each layout's norms on every rank against one process's."""
     ranks, tolerance = record["ranks"], record["tolerance"]
     errors = [(rank, outcome["error"]) for rank, outcome in enumerate(ranks) if outcome.get("error")]
+    errors.sort(key=lambda failure: WAITED in failure[1])  # who raised first: the others waited for it
     if errors:
         return False, [f"rank {rank}: {error}" for rank, error in errors]
     reference = ranks[0]["reference"]
-    lines, passed, causes = [], True, []
+    lines, passed, failing = [], True, []
     for index, (impl, shape) in enumerate(LAYOUTS):
         name = f"{impl} {tuple(shape)}"
         layouts = [outcome["layouts"][index] for outcome in ranks if index < len(outcome["layouts"])]
         failed = [(rank, seen["error"]) for rank, seen in enumerate(layouts) if "error" in seen]
+        failed.sort(key=lambda failure: WAITED in failure[1])  # a rank that raised first: the others waited for it
         if len(layouts) < len(ranks) or failed:
             lines += [f"{name}: rank {rank}: {error}" for rank, error in failed] or [f"{name}: not run"]
             passed = False
@@ -261,10 +308,8 @@ def verdict(record: dict) -> tuple[bool, list[str]]:
             said = ", ".join(f"rank {rank} {tuple(seen['place'].values())} {seen['norm']:.6f}"
                              for rank, seen in enumerate(layouts))  # fmt: skip
             lines.append(f"{name}: the ranks disagree ({said}); one process's {reference:.6f}")
-        cause = likely_cause(layouts, tolerance)
-        if cause and cause not in causes:
-            causes.append(cause)
-    lines += [f"why: {cause}" for cause in causes]
+        failing.append(layouts)
+    lines += [f"why: {cause}" for cause in named_causes(failing)] if failing else []
     return passed, lines
 
 
