@@ -220,31 +220,6 @@ def average_gradients(parameters, group):
     # END SOLUTION
 
 
-def global_gradient_norm(stage, place: dict[str, int]) -> torch.Tensor:
-    """The norm of the whole model's gradient, equal on every rank: what clip_grad_norm_ returns on one process
-    (clipping then scales every rank's gradients by the same min(1, max_norm / norm)).
-
-    Each element of the gradient must be counted once in the world. A rank adds the squares of its own piece of
-    each parameter: a TP shard (lesson 04's tp_dim, or a DTensor sharded over "tp") on every TP rank, a parameter
-    TP leaves whole (norms, row-parallel biases, embeddings, head) on TP rank 0 only; the DP replicas of a piece
-    are copies (from scratch, after the average) and count on DP rank 0 only, FSDP2's DP shards on every DP rank.
-    One all-reduce over the world then sums the stages and the shards: the same as summing over the TP, PP and (for
-    FSDP2's shards) DP groups, as every copy but one adds zero."""
-    squares = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
-    for p in stage.parameters():
-        if p.grad is None:
-            continue
-        copies = {"dp", "tp"} - ({"tp"} if hasattr(p, "tp_dim") else set())  # dimensions it is replicated over
-        if isinstance(p.grad, DTensor):  # built in: a placement per dimension of its mesh (FSDP2's and TP's)
-            names = p.grad.device_mesh.mesh_dim_names
-            copies -= {dim for dim, placement in zip(names, p.grad.placements) if not placement.is_replicate()}
-        if all(place[dim] == 0 for dim in copies):  # one copy of each replicated piece
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            squares += local.double().pow(2).sum()
-    dist.all_reduce(squares)
-    return squares.sqrt()
-
-
 def build_scratch(args, grid: Grid, device: torch.device):
     """This rank's stage: the whole model built from the seed, its projections sharded over the TP group with
     lesson 04's layers, then cut to this rank's pipeline stage with lesson 05's build_stage."""
@@ -473,6 +448,57 @@ def main():
     print0(f"FINISHED {len(losses)} steps, final loss {losses[-1]:.4f}")
     del optimizer, stage
     destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# Debugging lab: a gradient norm every rank agrees on (TODO 8; the notebook's last section, `make check LESSON=06`)
+# --------------------------------------------------------------------------------------------------
+
+
+def global_gradient_norm(stage, place: dict[str, int]) -> torch.Tensor:
+    """The norm of the whole model's gradient, on every rank: what clip_grad_norm_ returns on one process for the
+    same model and global batch (clipping then scales every rank's gradients by the same min(1, max_norm / norm)).
+    `stage` is this rank's stage after the step's backward (from scratch, after the DP average too): lesson 04's
+    TP shards carry a `tp_dim`; built in, the gradients are DTensors. `place` is this rank's coordinates.
+    utils/lesson_06/lab.py runs it on live ranks, in three layouts."""
+    # TODO 8: lab, a gradient norm every rank agrees on. With the exercise's code every rank prints the same
+    #   gradient norm and training goes on without an error, yet the norm is larger than one process's
+    #   clip_grad_norm_ on the same model and batch, by a factor that changes with the layout: clipping by it would
+    #   shrink the steps of a 3D run more than one process's. Fix it so that every layout reports one process's norm.
+    # HINT 1: Take one element of a parameter TP keeps whole (a norm's weight), and one of a TP shard: on how many
+    #   ranks does each sit, and how many times does the exercise add its square? And a DP replica's copy?
+    # HINT 2: Add the squares of a piece replicated over a dimension on one rank of that dimension only (coordinate
+    #   0): a parameter TP keeps whole over tp; from scratch every parameter over dp (the replicas hold copies after
+    #   the average). Add a piece sharded over a dimension on every rank of it: a TP shard (it has a `tp_dim`); built
+    #   in, whatever a DTensor gradient's placements shard (FSDP2 shards every parameter over dp). Then one
+    #   all-reduce over the world adds the stages and the shards.
+    # HINT 3: for each p with a grad: copies = {"dp", "tp"}, less "tp" if hasattr(p, "tp_dim"); for a DTensor grad,
+    #   less every name of p.grad.device_mesh.mesh_dim_names whose placement in p.grad.placements is not
+    #   is_replicate(); if place[dim] == 0 for every dim in copies, add (p.grad.to_local() for a DTensor)
+    #   .double().pow(2).sum(); then dist.all_reduce the sum and return its sqrt().
+    # BEGIN SOLUTION
+    squares = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
+    for p in stage.parameters():
+        if p.grad is None:
+            continue
+        copies = {"dp", "tp"} - ({"tp"} if hasattr(p, "tp_dim") else set())  # dimensions it is replicated over
+        if isinstance(p.grad, DTensor):  # built in: a placement per dimension of its mesh (FSDP2's and TP's)
+            names = p.grad.device_mesh.mesh_dim_names
+            copies -= {dim for dim, placement in zip(names, p.grad.placements) if not placement.is_replicate()}
+        if all(place[dim] == 0 for dim in copies):  # one copy of each replicated piece
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            squares += local.double().pow(2).sum()
+    dist.all_reduce(squares)  # the other copies add zero: this sums the stages and the shards
+    return squares.sqrt()
+    # EXERCISE
+    # squares = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
+    # for p in stage.parameters():
+    #     if p.grad is not None:  # what this rank holds: its stage, its shard of it
+    #         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+    #         squares += local.double().pow(2).sum()
+    # dist.all_reduce(squares)  # every rank's squares added up: the stages and the shards
+    # return squares.sqrt()
+    # END SOLUTION
 
 
 if __name__ == "__main__":

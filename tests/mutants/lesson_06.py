@@ -2,6 +2,33 @@
 
 from tests.mutants import Mutant
 
+# TODO 8's solution, line by line
+NORM_BODY = (
+    "    squares = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)\n"
+    "    for p in stage.parameters():\n        if p.grad is None:\n            continue\n"
+    '        copies = {"dp", "tp"} - ({"tp"} if hasattr(p, "tp_dim") else set())  # dimensions it is replicated over\n'
+    "        if isinstance(p.grad, DTensor):  # built in: a placement per dimension of its mesh (FSDP2's and TP's)\n"
+    "            names = p.grad.device_mesh.mesh_dim_names\n"
+    "            copies -= {dim for dim, placement in zip(names, p.grad.placements) if not placement.is_replicate()}\n"
+    "        if all(place[dim] == 0 for dim in copies):  # one copy of each replicated piece\n"
+    "            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad\n"
+    "            squares += local.double().pow(2).sum()\n"
+    "    dist.all_reduce(squares)  # the other copies add zero: this sums the stages and the shards\n"
+    "    return squares.sqrt()\n"
+)
+COPIES = 'copies = {"dp", "tp"} - ({"tp"} if hasattr(p, "tp_dim") else set())'
+DTENSOR_SHARDS = (
+    "        if isinstance(p.grad, DTensor):  # built in: a placement per dimension of its mesh (FSDP2's and TP's)\n"
+    "            names = p.grad.device_mesh.mesh_dim_names\n"
+    "            copies -= {dim for dim, placement in zip(names, p.grad.placements) if not placement.is_replicate()}\n"
+)
+ONE_COPY = "if all(place[dim] == 0 for dim in copies):  # one copy of each replicated piece"
+LOCAL = "local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad"
+ADD = "            squares += local.double().pow(2).sum()\n"
+INDENTED_LOCAL_ADD = "            " + LOCAL + "\n" + ADD
+ALL_REDUCE = "    dist.all_reduce(squares)  # the other copies add zero: this sums the stages and the shards\n"
+RETURN = "    return squares.sqrt()\n"
+
 MUTANTS = [
     # TODO 1: the coordinates of a rank
     Mutant(todo=1, what="PP innermost instead of TP (the TP all-reduce crosses nodes)",
@@ -118,6 +145,63 @@ MUTANTS = [
     Mutant(todo=7, what="decides by the DP group's size instead of the pipeline's stages",
            find='one_stage = mesh["pp"].size() == 1', replace='one_stage = mesh["dp"].size() == 1',
            shows=("stayed gathered", "False in every run")),
+    # TODO 8: the lab, a gradient norm every rank agrees on
+    Mutant(todo=8, what="the handed-out logic in the learner's words: every rank adds everything it holds",
+           find=NORM_BODY,
+           replace=NORM_BODY.splitlines(keepends=True)[0] + "    for p in stage.parameters():\n"
+                   "        if p.grad is not None:\n"
+                   "            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad\n"
+                   "            squares += local.double().pow(2).sum()\n"
+                   "    dist.all_reduce(squares)\n    return squares.sqrt()\n",
+           shows=("every rank adds the squares of everything", "counted once per copy")),
+    Mutant(todo=8, what="every parameter taken for a TP shard: one TP keeps whole is added on every TP rank (DP right)",
+           find=COPIES, replace='copies = {"dp"}',
+           shows=("counted on every TP rank",)),
+    Mutant(todo=8, what="only TP's copies skipped: every DP replica adds its copy of the averaged gradients",
+           find=COPIES, replace='copies = set() if hasattr(p, "tp_dim") else {"tp"}',
+           shows=("count dp times",)),
+    Mutant(todo=8, what="tp_dim ignored: from scratch a TP shard is added on TP rank 0 only",
+           find=COPIES, replace='copies = {"dp", "tp"}',
+           shows=("only TP rank 0 adds", "others are missing")),
+    Mutant(todo=8, what="FSDP2's DP shards taken for copies (as after DDP's average): added on DP rank 0 only",
+           find=ONE_COPY, replace='if place["dp"] == 0 and all(place[dim] == 0 for dim in copies):',
+           shows=("only DP rank 0 adds FSDP2's shards",)),
+    Mutant(todo=8, what="DTensor placements ignored: built in, every shard added on rank (dp 0, tp 0) only",
+           find=DTENSOR_SHARDS, replace="",
+           shows=("a sharded piece",)),
+    Mutant(todo=8, what="no all-reduce: each rank's norm of its own pieces",
+           find=ALL_REDUCE, replace="",
+           shows=("no collective adds the other ranks'",)),
+    Mutant(todo=8, what="returns the sum of the squares: no square root",
+           find=RETURN, replace="    return squares\n",
+           shows=("not its square root",)),
+    Mutant(todo=8, what="adds the parameters' norms (a square root per parameter), not their squares",
+           find=ADD + ALL_REDUCE + RETURN,
+           replace=ADD.replace(".pow(2).sum()", ".norm()") + ALL_REDUCE + "    return squares\n",
+           shows=("every rank's norm", "one process's")),
+    Mutant(todo=8, what="the square root before the all-reduce: adds the ranks' norms, not their squares",
+           find=ALL_REDUCE + RETURN,
+           replace="    norm = squares.sqrt()\n    dist.all_reduce(norm)\n    return norm\n",
+           shows=("square root before the all-reduce",)),
+    Mutant(todo=8, what="averages the ranks' squares (ReduceOp.AVG) to undo the copies",
+           find=ONE_COPY + "\n" + INDENTED_LOCAL_ADD + ALL_REDUCE,
+           replace="if True:\n" + INDENTED_LOCAL_ADD + "    dist.all_reduce(squares, op=dist.ReduceOp.AVG)\n",
+           shows=("every rank's norm", "one process's")),
+    Mutant(todo=8, what="the stages taken for copies too: only the first stage adds its squares",
+           find=COPIES, replace='copies = {"pp", "dp", "tp"} - ({"tp"} if hasattr(p, "tp_dim") else set())',
+           shows=("only the first stage adds",)),
+    Mutant(todo=8, what="squares a DTensor gradient without to_local(): a DTensor added to a tensor",
+           find=INDENTED_LOCAL_ADD, replace=INDENTED_LOCAL_ADD.replace(LOCAL, "local = p.grad"),
+           shows=("raised",)),
+    Mutant(todo=8, what="the pieces' squares stacked: torch.stack([]) raises on a rank that holds only copies",
+           find=NORM_BODY,
+           replace="    parts = []\n    for p in stage.parameters():\n"
+                   "        if p.grad is None:\n            continue\n"
+                   "        " + COPIES + "\n" + DTENSOR_SHARDS + "        " + ONE_COPY + "\n"
+                   "            " + LOCAL + "\n"
+                   "            parts.append(local.double().pow(2).sum())\n"
+                   "    squares = torch.stack(parts).sum()\n" + ALL_REDUCE + RETURN,
+           shows=("stack expects a non-empty TensorList",)),
 ]  # fmt: skip
 
 # Correct answers written another way: each must pass its TODO (and blame no other).
@@ -201,4 +285,41 @@ VARIANTS = [
            replace='    fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=one_stage)  # the root'),
     Mutant(todo=7, what="the pipeline's size read from the mesh's shape",
            find='one_stage = mesh["pp"].size() == 1', replace='one_stage = mesh.shape[0] == 1'),
+    # TODO 8
+    Mutant(todo=8, what="torch.linalg.vector_norm of each local piece, squared",
+           find=ADD, replace=ADD.replace("local.double().pow(2).sum()",
+                                         "torch.linalg.vector_norm(local, dtype=torch.float64) ** 2")),
+    Mutant(todo=8, what="a list of the pieces' squares, then torch.stack(...).sum()",
+           find=NORM_BODY,
+           replace="    parts = []\n    for p in stage.parameters():\n"
+                   "        if p.grad is None:\n            continue\n"
+                   "        " + COPIES + "\n" + DTENSOR_SHARDS + "        " + ONE_COPY + "\n"
+                   "            " + LOCAL + "\n"
+                   "            parts.append(local.double().pow(2).sum())\n"
+                   "    zero = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)\n"
+                   "    squares = torch.stack(parts).sum() if parts else zero  # a rank may hold only copies\n"
+                   + ALL_REDUCE + RETURN),
+    Mutant(todo=8, what="every rank adds each piece's squares divided by the number of ranks that hold it",
+           find=NORM_BODY,
+           replace="    everyone = [None] * dist.get_world_size()\n    dist.all_gather_object(everyone, place)\n"
+                   + NORM_BODY.replace("        " + ONE_COPY + "\n", "")
+                   .replace(INDENTED_LOCAL_ADD,
+                            "        holders = sum(  # the ranks with a copy of this piece\n"
+                            "            all(other[dim] == place[dim] for dim in place if dim not in copies)\n"
+                            "            for other in everyone\n        )\n"
+                            "        " + LOCAL + "\n"
+                            "        squares += local.double().pow(2).sum() / holders\n")
+                   .replace(ALL_REDUCE, "    dist.all_reduce(squares)  # every holder adds its share\n")),
+    Mutant(todo=8, what="DTensor gradients made whole with full_tensor(), then added once, on (dp 0, tp 0)",
+           find=DTENSOR_SHARDS + "        " + ONE_COPY + "\n" + "            " + LOCAL + "\n",
+           replace="        if isinstance(p.grad, DTensor):  # whole on every rank: a copy over dp and tp\n"
+                   '            local, copies = p.grad.full_tensor(), {"dp", "tp"}\n'
+                   "        else:\n            local = p.grad\n"
+                   "        if all(place[dim] == 0 for dim in copies):\n"),
+    Mutant(todo=8, what="float32 accumulation (the gradients' own dtype)",
+           find=NORM_BODY,
+           replace=NORM_BODY.replace("torch.zeros((), dtype=torch.float64, ", "torch.zeros((), ")
+                            .replace("local.double().pow(2)", "local.pow(2)")),
+    Mutant(todo=8, what="returns a Python float",
+           find=RETURN, replace="    return squares.sqrt().item()\n"),
 ]  # fmt: skip
