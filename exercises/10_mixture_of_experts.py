@@ -356,16 +356,15 @@ def main():
 # --------------------------------------------------------------------------------------------------
 
 
-def shared_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float, group=None) -> int:
+def shared_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float, group=None, device="cpu") -> int:
     """The capacity (slots per expert) of the padded dispatch on this rank, which holds `n_tokens` tokens: in production
     the ranks of `group` often hold different numbers (batches packed to a token budget, an epoch's last batch, padding
-    removed). dispatch_padded sends E/N x capacity rows to every rank of `group` and expects as many from each. Every
-    rank calls this at the same point. utils/lesson_10/lab.py runs it on three live ranks whose token counts differ."""
-    # TODO 6: lab, padded buffers that do not match. With the exercise's capacity, three live ranks holding 10, 16
-    #   and 7 tokens would send each other padded buffers of sizes their peers do not expect: gloo aborts a rank
-    #   ("Received data size doesn't match expected size") or leaves rows never written, so the lab stops before the
-    #   all-to-all. Fix it so that the buffers match and every rank's output equals one process's.
-    return math.ceil(capacity_factor * n_tokens * k / n_experts)  # this rank's even share, as in TODO 2
+    removed). Every rank calls this at the same point. `device`: this rank's device (setup()'s: a GPU under NCCL, the
+    CPU under gloo). utils/lesson_10/lab.py runs it on three live ranks whose token counts differ."""
+    # TODO 6: lab, padded buffers that do not match. Three live ranks hold different token counts; in the padded
+    #   all-to-all gloo would abort one ("Received data size doesn't match expected size"), so the lab stops before
+    #   it. Make every rank's output equal one process's.
+    return math.ceil(capacity_factor * n_tokens * k / n_experts)  # as in TODO 2
 
 
 if __name__ == "__main__":

@@ -429,27 +429,28 @@ def main():
 # --------------------------------------------------------------------------------------------------
 
 
-def shared_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float, group=None) -> int:
+def shared_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float, group=None, device="cpu") -> int:
     """The capacity (slots per expert) of the padded dispatch on this rank, which holds `n_tokens` tokens: in production
     the ranks of `group` often hold different numbers (batches packed to a token budget, an epoch's last batch, padding
-    removed). dispatch_padded sends E/N x capacity rows to every rank of `group` and expects as many from each. Every
-    rank calls this at the same point. utils/lesson_10/lab.py runs it on three live ranks whose token counts differ."""
-    # TODO 6: lab, padded buffers that do not match. With the exercise's capacity, three live ranks holding 10, 16
-    #   and 7 tokens would send each other padded buffers of sizes their peers do not expect: gloo aborts a rank
-    #   ("Received data size doesn't match expected size") or leaves rows never written, so the lab stops before the
-    #   all-to-all. Fix it so that the buffers match and every rank's output equals one process's.
-    # HINT 1: Take a pair of ranks: how many rows does the first send the second, how many does the second expect,
-    #   and what does each number depend on? Which rank's tokens must the buffers have room for?
+    removed). Every rank calls this at the same point. `device`: this rank's device (setup()'s: a GPU under NCCL, the
+    CPU under gloo). utils/lesson_10/lab.py runs it on three live ranks whose token counts differ."""
+    # TODO 6: lab, padded buffers that do not match. Three live ranks hold different token counts; in the padded
+    #   all-to-all gloo would abort one ("Received data size doesn't match expected size"), so the lab stops before
+    #   it. Make every rank's output equal one process's.
+    # HINT 1: A rank knows only its own token count. Which number could every rank of `group` compute alike, from the
+    #   counts of all of them (not from one rank's: which rank holds the most changes from batch to batch), so that
+    #   every rank's buffers have room for every rank's tokens?
     # HINT 2: One capacity for the whole group, from the largest token count of any rank: an all-reduce with MAX over
-    #   `group`, then the lesson's ceil(C x T x k / E) with that count. Return a Python int (a count of slots).
-    # HINT 3: largest = torch.tensor(n_tokens); dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group);
-    #   return math.ceil(capacity_factor * int(largest) * k / n_experts).
+    #   `group` of a tensor on `device` (a CPU tensor fails on NCCL), then the lesson's ceil(C x T x k / E) with that
+    #   count. Return a Python int (a count of slots).
+    # HINT 3: largest = torch.tensor(n_tokens, device=device); dist.all_reduce(largest, op=dist.ReduceOp.MAX,
+    #   group=group); return math.ceil(capacity_factor * int(largest) * k / n_experts).
     # BEGIN SOLUTION
-    largest = torch.tensor(n_tokens)
+    largest = torch.tensor(n_tokens, device=device)  # on the collectives' device: NCCL takes CUDA tensors only
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)  # the rank with the most tokens sizes every buffer
     return math.ceil(capacity_factor * int(largest) * k / n_experts)
     # EXERCISE
-    # return math.ceil(capacity_factor * n_tokens * k / n_experts)  # this rank's even share, as in TODO 2
+    # return math.ceil(capacity_factor * n_tokens * k / n_experts)  # as in TODO 2
     # END SOLUTION
 
 

@@ -519,14 +519,34 @@ LAB_RANKS = 3
 
 
 def test_todo6_lab_every_rank_uses_the_capacity_of_the_largest_token_count(script, lesson, tmp_path):
-    """3 live ranks on gloo (5 s timeout) holding 10, 16 and 7 tokens: every rank returns the same int, the capacity
-    of the most tokens any rank holds, its collective names the group, and the padded all-to-all with it gives every
-    rank one process's output."""
+    """3 live ranks on gloo (5 s timeout) call shared_capacity twice with different token counts and capacity factors
+    (utils/lesson_10/lab.py's CALLS): each time every rank returns the same int, the capacity of the most tokens any
+    rank holds, from a collective that names the group, and the padded all-to-all with it gives every rank one
+    process's output."""
     if not hasattr(script, "shared_capacity"):
         pytest.fail("TODO 6: the script has no shared_capacity (the lab at the end of the exercise)", pytrace=False)
     result = torchrun(LAB, LAB_RANKS, [lesson("10")], tmp_path=tmp_path, timeout=120, env=ENV).check()
     message = lab_failure(result.metrics, 6)
     assert message is None, message
+
+
+def test_the_labs_second_call_tells_the_wrong_answers_from_the_right_one():
+    """The first call's answer is right for several mistakes (its busiest rank is rank 1, its factor 1); in the second,
+    the right capacity differs from every mistake's, and the mistakes from each other, so the verdict can name each."""
+    from utils.lesson_10.lab import CALLS, capacity_for, expected
+
+    tokens, factor = CALLS[1]
+    busiest, (first_tokens, _) = tokens.index(max(tokens)), CALLS[0]
+    assert first_tokens.index(max(first_tokens)) != busiest and factor != CALLS[0][1]
+    mistakes = {
+        "floor": math.floor(factor * max(tokens) * 2 / 6), "no factor": capacity_for(max(tokens), 1.0),
+        "sum": capacity_for(sum(tokens), factor), "mean": capacity_for(sum(tokens) / len(tokens), factor),
+        "smallest": capacity_for(min(tokens), factor), "rank 1's": capacity_for(tokens[1], factor),
+        "call 1's answer": expected(0), "call 1's largest count": capacity_for(max(first_tokens), factor),
+    }  # fmt: skip
+    assert expected(1) not in mistakes.values() and len(set(mistakes.values())) == len(mistakes), mistakes
+    assert capacity_for(sum(tokens) // len(tokens), factor) == mistakes["mean"]  # integer division: the same
+    assert len({capacity_for(count, factor) for count in tokens}) == len(tokens)  # each rank's own: all differ
 
 
 def test_the_lab_stops_buffers_that_do_not_match_within_seconds_naming_the_pairs(target, request, tmp_path):
@@ -539,11 +559,12 @@ def test_the_lab_stops_buffers_that_do_not_match_within_seconds_naming_the_pairs
     exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
     result = torchrun(LAB, LAB_RANKS, [exercise], tmp_path=tmp_path, timeout=120, env=ENV).check()
     ranks = result.metrics["ranks"]
-    assert [outcome["capacity"] for outcome in ranks] == [4, 6, 3], ranks
-    assert not any(outcome["agreed"] or outcome["error"] for outcome in ranks), ranks
-    assert max(outcome["seconds"] for outcome in ranks) < 30, [outcome["seconds"] for outcome in ranks]
+    assert [[call["capacity"] for call in rank["calls"]] for rank in ranks] == [[4, 10], [6, 8], [3, 4]], ranks
+    assert not any(call["agreed"] or call["error"] for rank in ranks for call in rank["calls"]), ranks
+    assert max(rank["seconds"] for rank in ranks) < 30, [rank["seconds"] for rank in ranks]
     message = lab_failure(result.metrics, 6)
-    assert "rank 1 (16 tokens): capacity 6, so it sends 2 x 6 rows to every rank" in message, message
+    assert "call 1, rank 1 (16 tokens, capacity factor 1): capacity 6, so it sends 2 x 6 rows to every rank" in message
     assert "rank 1 would send 2 x 6 rows to rank 0, which expects 2 x 4: gloo would abort rank 0" in message, message
     assert "rank 1 would go on with 2 x 3 slots never written" in message, message
     assert "each rank's capacity comes from its own token count (10, 16, 7 tokens -> 4, 6, 3)" in message, message
+    assert message.count("why: each rank's capacity comes from") == 1, message  # named once, not per call

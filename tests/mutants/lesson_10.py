@@ -26,7 +26,7 @@ EXCHANGE_COUNTS = "    dist.all_to_all_single(recv_counts, counts, group=group)\
 ADD_BACK = "    return output.index_add(0, plan.order // k, back * gates[:, None])\n"
 AVERAGE = "    dist.all_reduce(flat, group=group)\n    flat /= world_size\n"
 LARGEST = (  # TODO 6's answer, the lines the lab's mistakes replace
-    "    largest = torch.tensor(n_tokens)\n"
+    "    largest = torch.tensor(n_tokens, device=device)  # on the collectives' device: NCCL takes CUDA tensors only\n"
     "    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)  # the rank with the most tokens sizes every "
     "buffer\n"
     "    return math.ceil(capacity_factor * int(largest) * k / n_experts)\n"
@@ -208,6 +208,25 @@ MUTANTS = [
                    "    dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=group)\n"
                    "    return capacity\n",
            shows=("tensor), not an int",)),
+    # Answers fitted to the first call: its largest count is rank 1's and its factor 1; the second call's are not.
+    Mutant(todo=6, what="the first call's answer typed in: no collective, the same number in every call",
+           find=LARGEST, replace="    return 6\n",
+           shows=("called no collective", "call 1's answer")),
+    Mutant(todo=6, what="the first call's largest count typed in: max(10, 16, 7), no collective",
+           find=LARGEST, replace="    return math.ceil(capacity_factor * max(10, 16, 7) * k / n_experts)\n",
+           shows=("called no collective", "which no rank holds in call 2")),
+    Mutant(todo=6, what="the count broadcast from rank 1 (the busiest in the first call only)",
+           find=REDUCE, replace="    dist.broadcast(largest, src=1, group=group)",
+           shows=("broadcast from rank 1", "changes from call to call")),
+    Mutant(todo=6, what="the largest count's capacity without the capacity factor",
+           find=CAPACITY, replace="    return math.ceil(int(largest) * k / n_experts)\n",
+           shows=("without the capacity factor",)),
+    Mutant(todo=6, what="Switch's mean: the sum of the counts over the group size, one number on every rank",
+           find=LARGEST,
+           replace="    total = torch.tensor(n_tokens, device=device)\n"
+                   "    dist.all_reduce(total, group=group)\n"
+                   "    return math.ceil(capacity_factor * int(total) / dist.get_world_size(group) * k / n_experts)\n",
+           shows=("the mean count", "fewer slots than the capacity factor promises", "keeps")),
 ]  # fmt: skip
 
 VARIANTS = [  # correct answers written another way: each TODO's tests must accept them
@@ -273,7 +292,7 @@ VARIANTS = [  # correct answers written another way: each TODO's tests must acce
     # TODO 6: the largest count, or the largest capacity (ceil is monotone: the same number), however gathered
     Mutant(todo=6, what="each rank's own capacity, then its maximum over the group (all-reduce MAX, .item())",
            find=LARGEST,
-           replace="    capacity = torch.tensor(math.ceil(capacity_factor * n_tokens * k / n_experts))\n"
+           replace="    capacity = torch.tensor(math.ceil(capacity_factor * n_tokens * k / n_experts), device=device)\n"
                    "    dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=group)\n"
                    "    return capacity.item()\n"),
     Mutant(todo=6, what="every rank's token count gathered as Python objects, then the largest",
@@ -281,9 +300,26 @@ VARIANTS = [  # correct answers written another way: each TODO's tests must acce
            replace="    counts = [None] * dist.get_world_size(group)\n"
                    "    dist.all_gather_object(counts, n_tokens, group=group)\n"
                    "    return math.ceil(capacity_factor * max(counts) * k / n_experts)\n"),
+    Mutant(todo=6, what="every rank's count all-gathered into one tensor, then its largest",
+           find=LARGEST,
+           replace="    counts = torch.empty(dist.get_world_size(group), dtype=torch.long, device=device)\n"
+                   "    dist.all_gather_into_tensor(counts, torch.tensor([n_tokens], device=device), group=group)\n"
+                   "    return math.ceil(capacity_factor * int(counts.max()) * k / n_experts)\n"),
+    Mutant(todo=6, what="every rank's count all-gathered into a list of tensors, then the largest",
+           find=LARGEST,
+           replace="    counts = [torch.tensor(0, device=device) for _ in range(dist.get_world_size(group))]\n"
+                   "    dist.all_gather(counts, torch.tensor(n_tokens, device=device), group=group)\n"
+                   "    return math.ceil(capacity_factor * max(int(count) for count in counts) * k / n_experts)\n"),
+    Mutant(todo=6, what="every rank's capacity all-gathered, the largest returned as a NumPy integer",
+           find=LARGEST,
+           replace="    mine = torch.tensor([math.ceil(capacity_factor * n_tokens * k / n_experts)], device=device)\n"
+                   "    capacities = torch.empty(dist.get_world_size(group), dtype=mine.dtype, device=device)\n"
+                   "    dist.all_gather_into_tensor(capacities, mine, group=group)\n"
+                   "    return capacities.cpu().numpy().max()  # numpy.int64\n"),
     Mutant(todo=6, what="the unrounded capacity as a float tensor, all-reduced with MAX, then math.ceil",
            find=LARGEST,
-           replace="    share = torch.tensor(capacity_factor * n_tokens * k / n_experts, dtype=torch.float64)\n"
+           replace="    share = capacity_factor * n_tokens * k / n_experts\n"
+                   "    share = torch.tensor(share, dtype=torch.float64, device=device)\n"
                    "    dist.all_reduce(share, op=dist.ReduceOp.MAX, group=group)\n"
                    "    return math.ceil(share.item())\n"),
 ]  # fmt: skip
