@@ -311,7 +311,8 @@ def main():
         if measured:
             activation_bytes = seen.activation_bytes // args.microbatches  # the micro-batches are the same size
             collectives = seen.collectives
-        grad_norms.append(float(global_gradient_norm(stage, place)))
+        norm = global_gradient_norm(stage, place)
+        grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))  # a DTensor: its value
         optimizer.step()
         # Every TP shard of every replica's last stage holds its replica's loss: their mean is the global batch's.
         loss = loss / (layout.dp * layout.tp) if stage.last else loss
@@ -379,11 +380,10 @@ def global_gradient_norm(stage, place: dict[str, int]) -> torch.Tensor:
     same model and global batch (clipping then scales every rank's gradients by the same min(1, max_norm / norm)).
     `stage` is this rank's stage after the step's backward (from scratch, after the DP average too): lesson 04's
     TP shards carry a `tp_dim`; built in, the gradients are DTensors. `place` is this rank's coordinates.
-    utils/lesson_06/lab.py runs it on live ranks, in three layouts."""
-    # TODO 8: lab, a gradient norm every rank agrees on. With the exercise's code every rank prints the same
-    #   gradient norm and training goes on without an error, yet the norm is larger than one process's
-    #   clip_grad_norm_ on the same model and batch, by a factor that changes with the layout: clipping by it would
-    #   shrink the steps of a 3D run more than one process's. Fix it so that every layout reports one process's norm.
+    utils/lesson_06/lab.py runs it on live ranks, in four layouts."""
+    # TODO 8: lab, a gradient norm every rank agrees on. Every rank logs the same norm, without an error, yet it is
+    #   larger than one process's clip_grad_norm_ on the same model and batch, by a factor that changes with the
+    #   layout. Make every layout report one process's norm.
     squares = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
     for p in stage.parameters():
         if p.grad is not None:  # what this rank holds: its stage, its shard of it

@@ -392,7 +392,8 @@ def main():
         if measured:
             activation_bytes = seen.activation_bytes // args.microbatches  # the micro-batches are the same size
             collectives = seen.collectives
-        grad_norms.append(float(global_gradient_norm(stage, place)))
+        norm = global_gradient_norm(stage, place)
+        grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))  # a DTensor: its value
         optimizer.step()
         # Every TP shard of every replica's last stage holds its replica's loss: their mean is the global batch's.
         loss = loss / (layout.dp * layout.tp) if stage.last else loss
@@ -460,22 +461,23 @@ def global_gradient_norm(stage, place: dict[str, int]) -> torch.Tensor:
     same model and global batch (clipping then scales every rank's gradients by the same min(1, max_norm / norm)).
     `stage` is this rank's stage after the step's backward (from scratch, after the DP average too): lesson 04's
     TP shards carry a `tp_dim`; built in, the gradients are DTensors. `place` is this rank's coordinates.
-    utils/lesson_06/lab.py runs it on live ranks, in three layouts."""
-    # TODO 8: lab, a gradient norm every rank agrees on. With the exercise's code every rank prints the same
-    #   gradient norm and training goes on without an error, yet the norm is larger than one process's
-    #   clip_grad_norm_ on the same model and batch, by a factor that changes with the layout: clipping by it would
-    #   shrink the steps of a 3D run more than one process's. Fix it so that every layout reports one process's norm.
+    utils/lesson_06/lab.py runs it on live ranks, in four layouts."""
+    # TODO 8: lab, a gradient norm every rank agrees on. Every rank logs the same norm, without an error, yet it is
+    #   larger than one process's clip_grad_norm_ on the same model and batch, by a factor that changes with the
+    #   layout. Make every layout report one process's norm.
     # HINT 1: Take one element of a parameter TP keeps whole (a norm's weight), and one of a TP shard: on how many
     #   ranks does each sit, and how many times does the exercise add its square? And a DP replica's copy?
     # HINT 2: Add the squares of a piece replicated over a dimension on one rank of that dimension only (coordinate
     #   0): a parameter TP keeps whole over tp; from scratch every parameter over dp (the replicas hold copies after
     #   the average). Add a piece sharded over a dimension on every rank of it: a TP shard (it has a `tp_dim`); built
-    #   in, whatever a DTensor gradient's placements shard (FSDP2 shards every parameter over dp). Then one
-    #   all-reduce over the world adds the stages and the shards.
+    #   in, whatever a DTensor gradient's placements do not replicate (FSDP2 shards every parameter over dp; a
+    #   dimension its mesh lacks holds copies: FSDP2 puts the parameters TP keeps whole on the dp mesh alone). Then
+    #   one all-reduce over the world adds the stages and the shards.
     # HINT 3: for each p with a grad: copies = {"dp", "tp"}, less "tp" if hasattr(p, "tp_dim"); for a DTensor grad,
     #   less every name of p.grad.device_mesh.mesh_dim_names whose placement in p.grad.placements is not
-    #   is_replicate(); if place[dim] == 0 for every dim in copies, add (p.grad.to_local() for a DTensor)
-    #   .double().pow(2).sum(); then dist.all_reduce the sum and return its sqrt().
+    #   is_replicate() (not is_shard(): FSDP2 over a TP shard uses a strided shard, which is_shard() does not count);
+    #   if place[dim] == 0 for every dim in copies, add (p.grad.to_local() for a DTensor) .double().pow(2).sum();
+    #   then dist.all_reduce the sum and return its sqrt().
     # BEGIN SOLUTION
     squares = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
     for p in stage.parameters():

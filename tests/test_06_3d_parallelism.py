@@ -822,8 +822,9 @@ LAB = ROOT / "utils" / "lesson_06" / "lab.py"
 
 
 def test_todo8_lab_every_layout_reports_one_process_norm(lesson, script, tmp_path):
-    """The lab's 4 ranks, in (2, 1, 2) and (1, 2, 2) from scratch and (1, 2, 2) built in: after one step the learner's
-    global_gradient_norm gives, on every rank, one process's clip_grad_norm_ on the same model and batch."""
+    """The lab's 4 ranks, in (2, 1, 2) and (1, 2, 2) from scratch, (1, 2, 2) and (2, 2, 1) built in: after one step
+    the learner's global_gradient_norm gives, on every rank, one process's clip_grad_norm_ on the same model and
+    batch."""
     if not hasattr(script, "global_gradient_norm"):
         pytest.fail(
             "TODO 8: the script has no global_gradient_norm (the lab at the end of the exercise)", pytrace=False

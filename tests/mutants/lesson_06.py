@@ -202,6 +202,27 @@ MUTANTS = [
                    "            parts.append(local.double().pow(2).sum())\n"
                    "    squares = torch.stack(parts).sum()\n" + ALL_REDUCE + RETURN,
            shows=("stack expects a non-empty TensorList",)),
+    Mutant(todo=8, what="built in, copies read from the placements alone: the tp copies on FSDP2's dp mesh are missed",
+           find=DTENSOR_SHARDS,
+           replace="        if isinstance(p.grad, DTensor):  # the placements say what is copied\n"
+                   "            names = p.grad.device_mesh.mesh_dim_names\n"
+                   "            copies = {dim for dim, placement in zip(names, p.grad.placements) "
+                   "if placement.is_replicate()}\n",
+           shows=("their tp copies are in no placement",)),
+    Mutant(todo=8, what="built in, each DTensor's whole norm on every rank and no all-reduce: the stages never add up",
+           find=NORM_BODY,
+           replace="    squares = torch.zeros((), dtype=torch.float64)\n    built_in = False\n"
+                   "    for p in stage.parameters():\n        if p.grad is None:\n            continue\n"
+                   "        if isinstance(p.grad, DTensor):  # the whole parameter's norm, on every rank of its mesh\n"
+                   "            built_in = True\n"
+                   "            squares += torch.linalg.vector_norm(p.grad).full_tensor().double() ** 2\n"
+                   "            continue\n"
+                   '        copies = {"dp"} if hasattr(p, "tp_dim") else {"dp", "tp"}\n'
+                   "        if all(place[dim] == 0 for dim in copies):\n"
+                   "            squares += p.grad.double().pow(2).sum()\n"
+                   "    if not built_in:  # a DTensor's norm is whole already\n        dist.all_reduce(squares)\n"
+                   "    return squares.sqrt()\n",
+           shows=("summed over the dp group only",)),
 ]  # fmt: skip
 
 # Correct answers written another way: each must pass its TODO (and blame no other).

@@ -3,13 +3,14 @@
 Clipping by the global norm needs the norm of the whole model's gradient, and on a grid each rank holds a piece of
 it: a stage, a TP shard of it, and copies of whatever is replicated. The lesson's
 `global_gradient_norm(stage, place)` computes it on every rank. Here four ranks run one training step of the course
-model in three layouts (pp, dp, tp): (2, 1, 2) and (1, 2, 2) from scratch (lesson 04's TP layers, lesson 05's
-pipeline, the DP average: the solution's code, lesson("06"), not the learner's TODOs) and (1, 2, 2) built in
-(DTensor TP, FSDP2 over dp), then call the learner's function after the backward, as the lesson's training does.
-Every rank also computes one process's `clip_grad_norm_` on the whole model and the same global batch (cheap at this
-size): the norm every layout must report. The group has a 5 s timeout (a collective some rank never joins ends in
-seconds). Rank 0 writes every rank's outcome; the verdict, on one process, names the cause from the squares each
-rank held (which pieces are copies, which shards). The notebook and `make check` run the same file:
+model in four layouts (pp, dp, tp): (2, 1, 2) and (1, 2, 2) from scratch (lesson 04's TP layers, lesson 05's
+pipeline, the DP average) and (1, 2, 2) and (2, 2, 1) built in (DTensor TP, FSDP2 over dp, torch's pipeline
+schedule), all the solution's code (lesson("06"), not the learner's TODOs), then call the learner's function after
+the backward, as the lesson's training does. Every rank also computes one process's `clip_grad_norm_` on the whole
+model and the same global batch (cheap at this size): the norm every layout must report. The group has a 5 s
+timeout (a collective some rank never joins ends in seconds). Rank 0 writes every rank's outcome; the verdict, on one
+process, names the cause from the squares each rank held (which pieces are copies, which shards). The notebook and
+`make check` run the same file:
 
     torchrun --nproc_per_node=4 utils/lesson_06/lab.py exercises/06_3d_parallelism.py --metrics-out lab.json
 
@@ -38,7 +39,9 @@ from utils.lesson_06.placements import output_not_a_view  # noqa: E402
 from utils.model import ModelConfig, build_model, loss_fn  # noqa: E402
 
 RANKS = 4
-LAYOUTS = (("scratch", (2, 1, 2)), ("scratch", (1, 2, 2)), ("built-in", (1, 2, 2)))  # (impl, (pp, dp, tp))
+LAYOUTS = (  # (impl, (pp, dp, tp)): every dimension at 2 in some layout, from scratch and built in
+    ("scratch", (2, 1, 2)), ("scratch", (1, 2, 2)), ("built-in", (1, 2, 2)), ("built-in", (2, 2, 1)),
+)  # fmt: skip
 CONFIG = ModelConfig(seq_len=8, dim=16, n_heads=2, n_layers=2)  # 2 blocks: one per stage at pp 2
 GLOBAL_BATCH, MICROBATCHES, SEED = 4, 2, 0
 MAX_NORM = 1.0  # the clipping threshold the verdict quotes (a common default)
@@ -56,8 +59,9 @@ def describe(error: BaseException) -> str:
 
 
 def pieces(stage, place: dict[str, int]) -> dict[str, float]:
-    """The squares of this rank's gradients, by what each piece is: key "copies:<dims>|<sharded dims>", where copies
-    are the dimensions it is replicated over and sharded the ones that hold other pieces of it (for the verdict)."""
+    """The squares of this rank's gradients, by what each piece is (for the verdict): key "<copies>|<sharded>|<mesh>",
+    each a comma-separated list of dimensions: those it is replicated over, those that hold other pieces of it, and
+    its DTensor's mesh (empty for a plain tensor)."""
     by_kind: dict[str, float] = {}
     for p in stage.parameters():
         if p.grad is None:
@@ -70,7 +74,8 @@ def pieces(stage, place: dict[str, int]) -> dict[str, float]:
                 if not placement.is_replicate():
                     copies, sharded = copies - {dim}, sharded | {dim}
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        key = f"{','.join(sorted(copies))}|{','.join(sorted(sharded))}"
+        mesh = p.grad.device_mesh.mesh_dim_names if isinstance(p.grad, DTensor) else ()
+        key = "|".join(",".join(sorted(dims)) for dims in (copies, sharded, mesh))
         by_kind[key] = by_kind.get(key, 0.0) + float(local.detach().double().pow(2).sum())
     return by_kind
 
@@ -89,16 +94,21 @@ def one_step(three_d, impl: str, shape: tuple[int, int, int], rank: int, inputs,
         shape_between = (len(mine) // MICROBATCHES, CONFIG.seq_len, CONFIG.dim)
         three_d.pipeline_step(stage, grid, steps, mine, theirs, MICROBATCHES, shape_between, inputs.device)
         three_d.average_gradients(stage.parameters(), grid.groups["dp"])
-    else:  # one stage: the built-in's pipeline schedule is lesson 05's; here DTensor TP and FSDP2 are the point
+    else:  # as the lesson's training runs it: DTensor TP, FSDP2, torch's pipeline schedule
         options = dist.ProcessGroupGloo._Options()  # the mesh's groups give up after TIMEOUT_S too, as the lab's
         options._timeout = timedelta(seconds=TIMEOUT_S)
         overrides = {dim: ("gloo", options) for dim in DIMS}
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=DIMS, backend_override=overrides)
         stage = three_d.parallelize_builtin(model, mesh, place["pp"])
-        output_not_a_view(stage)
+        if stage.last:
+            output_not_a_view(stage)
+        schedule = three_d.pipeline.build_builtin_schedule(
+            [stage], [place["pp"]], layout.pp, mesh["pp"].get_group(), inputs.device, "gpipe", MICROBATCHES, loss_fn
+        )
         grid = three_d.Grid(layout, rank, place, groups={}, members={})
         mine, theirs = three_d.replica_batch(inputs, grid), three_d.replica_batch(targets, grid)
-        loss_fn(stage(mine), theirs).backward()  # FSDP2 averages the gradients over dp in its reduce-scatter
+        # FSDP2 averages the gradients over dp in its reduce-scatter, after the last micro-batch's backward.
+        schedule.step(*((mine,) if stage.first else ()), **({"target": theirs, "losses": []} if stage.last else {}))
     return stage, place
 
 
@@ -126,7 +136,11 @@ def run_rank(global_gradient_norm, rank: int) -> dict:
             norm = global_gradient_norm(stage, place)
             if isinstance(norm, DTensor):  # a norm computed on DTensor gradients: its value on every rank
                 norm = norm.full_tensor()
-            seen["norm"] = float(norm)
+            if not isinstance(norm, (int, float, torch.Tensor)) or isinstance(norm, torch.Tensor) and norm.numel() != 1:
+                what = f"a tensor of shape {list(norm.shape)}" if isinstance(norm, torch.Tensor) else repr(norm)
+                seen["error"] = f"global_gradient_norm returned {what}, not one number (a tensor or a float)"
+            else:
+                seen["norm"] = float(norm)
         except NotImplementedError as error:
             seen["error"] = f"not done: {error}"
         except Exception as error:  # noqa: BLE001 - the learner's code may raise anything
@@ -162,44 +176,49 @@ def main():
 # The ways a norm goes wrong on a grid, each as (which pieces a rank adds, what the words say). A rule maps a piece's
 # (copies, sharded) dimensions to the dimensions on which only coordinate 0 adds it.
 RULES = {
-    "right": (lambda copies, sharded: copies, None),
+    "right": (lambda copies, sharded, mesh: copies, None),
     "everything": (
-        lambda copies, sharded: set(),
+        lambda copies, sharded, mesh: set(),
         "every rank adds the squares of everything it holds, so a piece held by several ranks (a parameter TP keeps "
         "whole, a DP replica's copy) is counted once per copy",
     ),
     "tp copies": (
-        lambda copies, sharded: copies - {"tp"},
+        lambda copies, sharded, mesh: copies - {"tp"},
         "a parameter TP keeps whole (norms, embeddings, head, row-parallel biases) is counted on every TP rank",
     ),
     "dp copies": (
-        lambda copies, sharded: copies - {"dp"},
+        lambda copies, sharded, mesh: copies - {"dp"},
         "every DP replica adds its copy of the averaged gradients, so they count dp times",
     ),
     "tp shards": (
-        lambda copies, sharded: copies | {"tp"},
+        lambda copies, sharded, mesh: copies | {"tp"},
         "only TP rank 0 adds its squares, but each TP rank holds a different shard: the others are missing",
     ),
     "dp shards": (
-        lambda copies, sharded: copies | ({"dp"} & sharded),
+        lambda copies, sharded, mesh: copies | ({"dp"} & sharded),
         "only DP rank 0 adds FSDP2's shards, but each DP rank holds a different piece (a DTensor gradient whose "
         "placement on dp is Shard)",
     ),
     "shards": (
-        lambda copies, sharded: copies | sharded,
+        lambda copies, sharded, mesh: copies | sharded,
         "only rank 0 of each dimension adds its squares, but a sharded piece (a TP shard; built in, a DTensor gradient "
         "whose placement is Shard) differs from rank to rank: the other ranks' pieces are missing",
     ),
+    "mesh copies": (
+        lambda copies, sharded, mesh: copies & mesh if mesh else copies,
+        "built in, only the dimensions of a gradient's own mesh are checked for copies, but FSDP2 puts the parameters "
+        "TP keeps whole on the dp mesh alone: their tp copies are in no placement, and each is counted",
+    ),
     "stages": (
-        lambda copies, sharded: copies | {"pp"},
+        lambda copies, sharded, mesh: copies | {"pp"},
         "only the first stage adds its squares, but each stage holds other parameters: the later stages' are missing",
     ),
 }
 
 
-def _kind(key: str) -> tuple[set, set]:
-    copies, _, sharded = key.partition("|")
-    return set(filter(None, copies.split(","))), set(filter(None, sharded.split(",")))
+def _kind(key: str) -> tuple[set, set, set]:
+    """A piece's key back to its dimensions: (copies, sharded, its DTensor mesh's; empty for a plain tensor)."""
+    return tuple(set(filter(None, dims.split(","))) for dims in key.split("|"))
 
 
 def _added(layouts: list[dict], rule) -> list[float]:
