@@ -385,7 +385,10 @@ def record_collectives(entries: int = RECORDED) -> None:
 def recent_collectives(last: int = 8) -> list[dict]:
     """This rank's last `last` collectives in its latest group, oldest first: {"name", "seq", "sizes"}. On gloo the
     record stays in the process (no file is written on a timeout), so the lab reads it here and reports it."""
-    entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace()).get("entries", [])
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:  # a torch build without the flight recorder's dump: nothing to report
+        return []
+    entries = pickle.loads(dump()).get("entries", [])
     group = entries[-1]["process_group"] if entries else None  # sequence numbers count within one group
     return [
         {"name": e["profiling_name"], "seq": e["collective_seq_id"], "sizes": e["input_sizes"]}
