@@ -29,8 +29,11 @@ Other tools (what torch does on gloo: read in 2.13.0's source, run on 2 gloo ran
   TORCH_NCCL_TRACE_BUFFER_SIZE) every rank keeps its last N collectives, and
   `pickle.loads(torch._C._distributed_c10d._dump_fr_trace())` returns them in the rank's own process (entries
   with "profiling_name" "gloo:all_reduce", "input_sizes", "collective_seq_id"; gloo's entries stay in state
-  "scheduled"). The CPU build has no `_dump_nccl_trace`, and gloo writes no file when a collective times out
-  (2.13.0; TORCH_FR_DUMP_TEMP_FILE is written by NCCL's watchdog): on gloo, py-spy's stacks are what shows a hang.
+  "scheduled"). A rank that skipped a collective records one fewer, or another collective at the same
+  "collective_seq_id"; gloo's send and recv are not recorded (2.13.0, 3 ranks). Lesson 08's lab shows each rank's
+  last ones side by side (utils/course/lab.py's recent_collectives). The CPU build has no `_dump_nccl_trace`, and
+  gloo writes no file when a collective times out (2.13.0; TORCH_FR_DUMP_TEMP_FILE is written by NCCL's watchdog):
+  on gloo, the record stays in each rank's process, and py-spy's stacks are what shows a hang from outside.
   On NCCL, TORCH_NCCL_DUMP_ON_TIMEOUT=1 writes each rank's record to TORCH_FR_DUMP_TEMP_FILE<rank>, which
   `torchfrtrace DIR -p PREFIX` (torch.distributed.flight_recorder.fr_trace) reads (see slurm/site.sh).
 """

@@ -147,6 +147,12 @@ INTERNALS = [
         "restarted workers get a fresh TCP store, not the dead workers' addresses (undocumented torchrun variable)",
         "--rdzv-backend c10d with a fresh --rdzv-id per attempt",
     ),
+    Internal(
+        "torch._C._distributed_c10d._dump_fr_trace",
+        "utils/course/lab.py (recent_collectives: each rank's last collectives in lesson 08's lab)",
+        "read the flight recorder's record in the rank's own process: on gloo torch writes no file on a timeout",
+        "none on gloo; on NCCL, TORCH_NCCL_DUMP_ON_TIMEOUT=1 writes files that torchfrtrace reads",
+    ),
 ]
 
 

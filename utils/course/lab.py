@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import re
 import sys
 import time
@@ -366,3 +367,42 @@ def join_lab_group(store, rank: int, world_size: int, timeout_s: float = LAB_TIM
         "gloo", store=dist.PrefixStore("lab/run/", store), rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# The flight recorder: each rank's last collectives, kept by torch (gloo too), shown side by side
+# --------------------------------------------------------------------------------------------------
+
+RECORDED = 16  # collectives each rank keeps: a lab's last steps and where the ranks parted
+
+
+def record_collectives(entries: int = RECORDED) -> None:
+    """Have torch's flight recorder keep this process's last `entries` collectives. Call it before the first process
+    group is made: torch reads TORCH_FR_BUFFER_SIZE once, when it makes the recorder (utils/stacks.py says more)."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(entries))
+
+
+def recent_collectives(last: int = 8) -> list[dict]:
+    """This rank's last `last` collectives in its latest group, oldest first: {"name", "seq", "sizes"}. On gloo the
+    record stays in the process (no file is written on a timeout), so the lab reads it here and reports it."""
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:  # a torch build without the flight recorder's dump: nothing to report
+        return []
+    entries = pickle.loads(dump()).get("entries", [])
+    group = entries[-1]["process_group"] if entries else None  # sequence numbers count within one group
+    return [
+        {"name": e["profiling_name"], "seq": e["collective_seq_id"], "sizes": e["input_sizes"]}
+        for e in entries if e["process_group"] == group
+    ][-last:]  # fmt: skip
+
+
+def collectives_side_by_side(records: list[list[dict]], rows: int = 4) -> list[str]:
+    """Every rank's recent collectives (recent_collectives, one list a rank) as a table of the last `rows` sequence
+    numbers (the n-th collective of the group, the same n on every rank that called it), a column per rank, "-" where
+    a rank recorded none."""
+    seqs = sorted({entry["seq"] for entries in records for entry in entries})[-rows:]
+    cells = [{e["seq"]: f"{e['name']} {'+'.join(map(str, e['sizes']))}" for e in entries} for entries in records]
+    table = [["seq"] + [f"rank {rank}" for rank in range(len(records))]]
+    table += [[str(seq)] + [by_seq.get(seq, "-") for by_seq in cells] for seq in seqs]
+    widths = [max(len(row[col]) for row in table) for col in range(len(table[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table]

@@ -44,6 +44,8 @@ from utils.course.lab import (  # noqa: E402
     failure_message,
     join_lab_group,
     outermost_calls,
+    recent_collectives,
+    record_collectives,
     start_rank,
     wait_for_everyone,
     write_outcomes,
@@ -207,6 +209,8 @@ def run_rank(save_sharded, folder: Path, writes: Writes, store, rank: int, world
     wait_for_everyone(store, "lab/saved", world_size, timeout_s=60)  # outside the group: it may be broken
     if store.add("lab/returned", 0) == world_size:  # every rank is out of the save: the group is sound
         outcome["load"] = load_back(folder, trained, world_size)
+    else:  # the save did not end everywhere: each rank's last collectives show where the ranks parted
+        outcome["collectives"] = recent_collectives()
     return outcome
 
 
@@ -219,6 +223,7 @@ def main():
         folder.mkdir(parents=True)
     wait_for_everyone(store, "lab/folder", world_size, timeout_s=60)
     started = time.perf_counter()
+    record_collectives()  # before the group: torch sizes its flight recorder once
     join_lab_group(store, rank, world_size, TIMEOUT_S)
     writes = Writes(folder)
     try:
