@@ -37,11 +37,12 @@ site_environment() {
     # uncomment to have every collective's op and shapes compared between the ranks first, so a mismatch fails at
     # once on every rank, naming both. It adds a check to every collective: for debugging runs, not for timing.
     # export TORCH_DISTRIBUTED_DEBUG=DETAIL
-    # NCCL's flight recorder: each rank keeps its last 2000 collectives and writes them to a file when one times out;
+    # NCCL's flight recorder (on by default in torch 2.13: each rank keeps its last 2000 collectives,
+    # TORCH_FR_BUFFER_SIZE sets how many) writes them to a file when one times out, once TORCH_NCCL_DUMP_ON_TIMEOUT=1;
     # `torchfrtrace runs/fr/<job id> -p rank_` then names the collective where the ranks part ways. On gloo nothing
     # is written (utils/stacks.py says what gloo records).
     # mkdir -p "$root/runs/fr/${SLURM_JOB_ID:-0}"
-    # export TORCH_FR_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE="$root/runs/fr/${SLURM_JOB_ID:-0}/rank_"
+    # export TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE="$root/runs/fr/${SLURM_JOB_ID:-0}/rank_"
 }
 
 # --- the job report, at the end of every job: how busy each device and process was (python -m utils.monitor),
