@@ -339,10 +339,10 @@ class LabRank:
     timeout_s: float | None  # --timeout: the group's timeout made longer, to look at a hang (python -m utils.stacks)
 
 
-def start_rank(lesson_number: str, function: str, timeout_option: bool = False) -> LabRank:
+def start_rank(lesson_number: str, function: str, timeout_option: bool = False, ranks: int | None = None) -> LabRank:
     """Parse the lab's command line (the lesson script whose `function` runs, --metrics-out, and --timeout where the
-    lab's words follow it), keep to CPU tensors even on a GPU node (CUDA is not started yet), connect to torchrun's
-    store and load the learner's script."""
+    lab's words follow it), refuse another world size than `ranks` where the lab needs that many, keep to CPU tensors
+    even on a GPU node (CUDA is not started yet), connect to torchrun's store and load the learner's script."""
     parser = argparse.ArgumentParser(description=f"Lesson {lesson_number}'s debugging lab on live ranks")
     parser.add_argument("lesson", type=Path, help=f"the lesson script whose {function} is run")
     parser.add_argument("--metrics-out", type=Path, required=True, help="where rank 0 writes every rank's outcome")
@@ -352,6 +352,8 @@ def start_rank(lesson_number: str, function: str, timeout_option: bool = False) 
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if ranks is not None and world_size != ranks:
+        raise SystemExit(f"the lab runs on {ranks} ranks (--nproc_per_node={ranks}), not {world_size}")
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
         timeout=timedelta(seconds=60),

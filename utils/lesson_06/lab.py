@@ -58,6 +58,11 @@ def describe(error: BaseException) -> str:
     return course_lab.describe_lab_error(error, WAITED)
 
 
+def raised_first(failures: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """(rank, error) pairs with the ranks that raised before those that waited: the others waited for them."""
+    return sorted(failures, key=lambda failure: WAITED in failure[1])
+
+
 def pieces(stage, place: dict[str, int]) -> dict[str, float]:
     """The squares of this rank's gradients, by what each piece is (for the verdict): key "<copies>|<sharded>|<mesh>",
     each a comma-separated list of dimensions: those it is replicated over, those that hold other pieces of it, and
@@ -152,10 +157,8 @@ def run_rank(global_gradient_norm, rank: int) -> dict:
 
 
 def main():
-    lab = course_lab.start_rank("06", "global_gradient_norm")
+    lab = course_lab.start_rank("06", "global_gradient_norm", ranks=RANKS)
     store, rank, world_size = lab.store, lab.rank, lab.world_size
-    if world_size != RANKS:
-        raise SystemExit(f"the lab runs on {RANKS} ranks (--nproc_per_node={RANKS}), not {world_size}")
     started = time.perf_counter()
     course_lab.join_lab_group(store, rank, world_size, TIMEOUT_S)
     try:
@@ -296,8 +299,7 @@ def named_causes(failing: list[list[dict]]) -> list[str]:
 def verdict(record: dict) -> tuple[bool, list[str]]:
     """(passed, one line per layout, then the cause): each layout's norms on every rank against one process's."""
     ranks, tolerance = record["ranks"], record["tolerance"]
-    errors = [(rank, outcome["error"]) for rank, outcome in enumerate(ranks) if outcome.get("error")]
-    errors.sort(key=lambda failure: WAITED in failure[1])  # who raised first: the others waited for it
+    errors = raised_first([(rank, outcome["error"]) for rank, outcome in enumerate(ranks) if outcome.get("error")])
     if errors:
         return False, [f"rank {rank}: {error}" for rank, error in errors]
     reference = ranks[0]["reference"]
@@ -305,8 +307,7 @@ def verdict(record: dict) -> tuple[bool, list[str]]:
     for index, (impl, shape) in enumerate(LAYOUTS):
         name = f"{impl} {tuple(shape)}"
         layouts = [outcome["layouts"][index] for outcome in ranks if index < len(outcome["layouts"])]
-        failed = [(rank, seen["error"]) for rank, seen in enumerate(layouts) if "error" in seen]
-        failed.sort(key=lambda failure: WAITED in failure[1])  # a rank that raised first: the others waited for it
+        failed = raised_first([(rank, seen["error"]) for rank, seen in enumerate(layouts) if "error" in seen])
         if len(layouts) < len(ranks) or failed:
             lines += [f"{name}: rank {rank}: {error}" for rank, error in failed] or [f"{name}: not run"]
             passed = False

@@ -254,10 +254,8 @@ def main():
     unguarded = "--unguarded" in sys.argv  # unguarded(): the rows' all-to-all without the check, to see it fail
     if unguarded:
         sys.argv.remove("--unguarded")
-    lab = course_lab.start_rank("10", "shared_capacity")
+    lab = course_lab.start_rank("10", "shared_capacity", ranks=RANKS)
     store, rank, world_size = lab.store, lab.rank, lab.world_size
-    if world_size != RANKS:
-        raise SystemExit(f"the lab runs on {RANKS} ranks (--nproc_per_node={RANKS}), not {world_size}")
     started = time.perf_counter()
     course_lab.join_lab_group(store, rank, world_size, TIMEOUT_S)
     # The expert-parallel group: the same ranks as the world here, but its own group, as in a job where EP is one
