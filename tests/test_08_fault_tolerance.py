@@ -671,7 +671,7 @@ def signal_runs(request, lesson, tmp_path_factory):
 
     def one(name):
         signum, shutdown_timeout, save_s = SIGNAL_RUNS[name]
-        for attempt in range(2):
+        for _attempt in range(2):
             folder = tmp_path_factory.mktemp(f"lesson08-signal-{name}")
             args = [*COMMON, *TWO, "--checkpoint-every", "100", "--checkpoint-dir", folder / "checkpoints",
                     "--log-dir", folder / "runs", "--slow-steps", "1", "--slow-save", save_s]  # fmt: skip
