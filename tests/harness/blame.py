@@ -24,6 +24,8 @@ LESSON_FILE = re.compile(r"^\d\d_\w+\.py$")
 FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
 RANK_PREFIX = re.compile(r"^\[(?:rank ?)?(\d+)\]: ?|^\[default(\d+)\]:")
 BLAME_LINE = re.compile(r"TODO (\d+)'s code raised at (\S+?):(\d+)(?: \(`.*?`\))?: (.+)")
+# A live lab rank's error (utils/course/lab.py's where_raised): "raised ValueError at exercises/07_...py:460 ..."
+LAB_LINE = re.compile(r"raised (\w+) at (\S+?\.py):(\d+)(?: \(`(.*?)`\))?: (.+)")
 # A rank that failed because another one died: not where the mistake is (the first error printed is the cause).
 SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "DistBackendError")
 
@@ -142,6 +144,17 @@ def blame_in(text: str, lesson: str | None = None) -> tuple[int, str] | None:
     for match in BLAME_LINE.finditer(text):
         if lesson is None or Path(match.group(2)).name.startswith(f"{lesson}_"):
             return int(match.group(1)), match.group(0)
+    return None
+
+
+def blame_lab(text: str, lesson: str) -> Blame | None:
+    """The TODO whose lines raised in a live lab's failure text (a rank's error names the lesson script's line), or
+    None: a lab calls one TODO's function, which may call another TODO's code."""
+    for match in LAB_LINE.finditer(text):
+        path = Path(match.group(2)) if Path(match.group(2)).is_absolute() else ROOT / match.group(2)
+        if path.name.startswith(f"{lesson}_") and (todo := todo_at(path, int(match.group(3)))) is not None:
+            error = f"{match.group(1)}: {match.group(5).split('. Hint: ')[0]}"
+            return Blame(todo, path, int(match.group(3)), error, match.group(4) or "")
     return None
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.blame import blame_exception, blame_in
+from tests.harness.blame import blame_exception, blame_in, blame_lab
 from utils.course.hints import seen
 from utils.course.make_exercises import HINT_LEVELS, TODO_HEADER, make_exercise
 
@@ -141,6 +141,9 @@ class TodoReport:
         line = one_line(report) if report.failed else ""
         texts = (dict(report.user_properties).get("blame", ""), str(report.longrepr))
         blamed, blame = next(filter(None, (blame_in(text, lesson.group(1)) for text in texts)), (None, None))
+        in_lab = blame_lab(texts[1], lesson.group(1)) if blamed is None and report.failed else None
+        if in_lab and in_lab.todo not in todos:  # a lab's function ran into another TODO's code, which raised
+            blamed, blame = in_lab.todo, str(in_lab)
         if blamed is not None:  # the code that raised is TODO `blamed`'s: its failure, and this check waits for it
             by_todo[blamed].append((name, "failed", blame))
             for todo in [t for t in todos if t != blamed] or ([None] if not todos else []):

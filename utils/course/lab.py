@@ -23,6 +23,7 @@ import pickle
 import re
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +35,8 @@ import torch.distributed as dist
 from utils.course.lessons import load_script
 
 LAB_TIMEOUT_S = 5.0  # how long a lab collective waits for a missing rank before it raises
+ROOT = Path(__file__).resolve().parents[2]
+LESSON_SCRIPT = re.compile(r"^\d\d_\w+\.py$")  # exercises/07_communication_efficient.py, a copy of one, a solution
 
 
 def _inputs(name: str, rank: int, world_size: int):
@@ -114,7 +117,7 @@ def describe_error(error: BaseException) -> str:
         return f"DETAIL found a mismatch ({said})"
     if any(words in text for words in WAITED_IN_VAIN) or isinstance(error, dist.DistError):
         return STUCK  # which of the waiting ranks times out first, and which then loses its peer, varies
-    return f"raised {type(error).__name__}: {gist[:120]}"
+    return f"raised {type(error).__name__}{where_raised(error)}: {gist[:120]}"
 
 
 def run_case(lesson, name: str) -> dict:
@@ -292,7 +295,19 @@ def describe_lab_error(error: BaseException, stuck: str, width: int = 120) -> st
     if any(words in text for words in WAITED_IN_VAIN):
         return stuck
     first = text.strip().splitlines()[0] if text.strip() else ""
-    return f"raised {type(error).__name__}: {first[:width]}"
+    return f"raised {type(error).__name__}{where_raised(error)}: {first[:width]}"
+
+
+def where_raised(error: BaseException) -> str:
+    """Which line of a lesson script raised `error`, as " at exercises/07_...py:460 (`k = k.item()`)": the innermost
+    frame in a lesson script (an error raised inside torch is still the learner's call that made it), else ""."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if LESSON_SCRIPT.match(Path(f.filename).name)]
+    if not frames:
+        return ""
+    path, code = Path(frames[-1].filename).resolve(), (frames[-1].line or "").split("  # ")[0].strip()
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    code = code if len(code) <= 60 else code[:57] + "..."
+    return f" at {shown}:{frames[-1].lineno}" + (f" (`{code}`)" if code else "")
 
 
 def failure_message(lines: list[str], todo: int, hint: str) -> str:

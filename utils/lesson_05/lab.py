@@ -27,7 +27,14 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from utils.course.lab import describe_lab_error, failure_message, join_lab_group, start_rank, write_outcomes  # noqa: E402
+from utils.course.lab import (  # noqa: E402
+    describe_lab_error,
+    failure_message,
+    join_lab_group,
+    start_rank,
+    where_raised,
+    write_outcomes,
+)
 from utils.course.lessons import lesson  # noqa: E402
 from utils.distributed_utils import destroy_process_group  # noqa: E402
 
@@ -126,7 +133,7 @@ def check_warmups(capped_warmup) -> str | None:
             except NotImplementedError as error:
                 return f"not done yet ({error})"
             except Exception as error:  # noqa: BLE001 - the learner's code may raise anything
-                return f"{call} raised {type(error).__name__}: {error}"
+                return f"{call} raised {type(error).__name__}{where_raised(error)}: {error}"
             if not isinstance(warmup, int) or not 0 <= warmup <= m:
                 return (
                     f"{call} returned {warmup!r}: a warm-up is a number of forwards, 0 to m = {m}"
