@@ -141,10 +141,11 @@ def test_a_lab_rank_that_raised_in_another_todos_lines_is_blamed_on_that_todo(tm
     text = (
         f"TODO 6: rank 1: f raised ZeroDivisionError at {script}:13 (`return first(x) / 0`): division by zero. Hint: h"
     )
-    blame = blame_lab(text, "99")
+    blame = blame_lab(text, "99", tmp_path)
     assert blame is not None and (blame.todo, blame.line, blame.error) == (2, 13, "ZeroDivisionError: division by zero")
-    assert blame_lab(text.replace(":13 ", ":17 "), "99") is None  # line 17 is in no TODO: the lab's own failure
-    assert blame_lab(text, "98") is None  # another lesson's script
+    assert blame_lab(text.replace(":13 ", ":17 "), "99", tmp_path) is None  # line 17 is in no TODO: the lab's own
+    assert blame_lab(text, "98", tmp_path) is None  # another lesson's script
+    assert blame_lab(text, "99", ROOT / "exercises") is None  # not the learner's script: the solution's, say
 
 
 def test_make_check_blames_a_lab_crash_on_the_todo_whose_code_raised():

@@ -147,12 +147,15 @@ def blame_in(text: str, lesson: str | None = None) -> tuple[int, str] | None:
     return None
 
 
-def blame_lab(text: str, lesson: str) -> Blame | None:
+def blame_lab(text: str, lesson: str, folder: Path) -> Blame | None:
     """The TODO whose lines raised in a live lab's failure text (a rank's error names the lesson script's line), or
-    None: a lab calls one TODO's function, which may call another TODO's code."""
+    None: a lab calls one TODO's function, which may call another TODO's code. Only the learner's script in `folder`
+    counts (a lab also runs the solution's code, whose TODOs are not the learner's)."""
     for match in LAB_LINE.finditer(text):
-        path = Path(match.group(2)) if Path(match.group(2)).is_absolute() else ROOT / match.group(2)
-        if path.name.startswith(f"{lesson}_") and (todo := todo_at(path, int(match.group(3)))) is not None:
+        path = (ROOT / match.group(2)).resolve()  # a path relative to the course root, or an absolute one
+        if path.parent != Path(folder).resolve() or not path.name.startswith(f"{lesson}_"):
+            continue
+        if (todo := todo_at(path, int(match.group(3)))) is not None:
             error = f"{match.group(1)}: {match.group(5).split('. Hint: ')[0]}"
             return Blame(todo, path, int(match.group(3)), error, match.group(4) or "")
     return None

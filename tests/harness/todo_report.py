@@ -141,7 +141,7 @@ class TodoReport:
         line = one_line(report) if report.failed else ""
         texts = (dict(report.user_properties).get("blame", ""), str(report.longrepr))
         blamed, blame = next(filter(None, (blame_in(text, lesson.group(1)) for text in texts)), (None, None))
-        in_lab = blame_lab(texts[1], lesson.group(1)) if blamed is None and report.failed else None
+        in_lab = blame_lab(texts[1], lesson.group(1), self.folder) if blamed is None and report.failed else None
         if in_lab and in_lab.todo not in todos:  # a lab's function ran into another TODO's code, which raised
             blamed, blame = in_lab.todo, str(in_lab)
         if blamed is not None:  # the code that raised is TODO `blamed`'s: its failure, and this check waits for it
