@@ -22,7 +22,7 @@ import torch
 from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.course.lab import failure
-from utils.course.make_exercises import make_exercise
+from utils.course.make_exercises import handed_out
 from utils.metrics import param_checksum
 from utils.model import ModelConfig, build_model, count_parameters
 
@@ -534,10 +534,7 @@ def test_rank0_prints_once_and_finishes(run, needs):
 def test_untouched_exercise_is_lesson_00_on_one_process_and_names_todo5_on_two(tmp_path):
     """The generated exercise (not your edited copy) runs as the single-device baseline (with either --ddp),
     else stops at once at TODO 5."""
-    solution = ROOT / "solutions" / "02_data_parallel.py"
-    exercise = tmp_path / "exercises" / solution.name
-    exercise.parent.mkdir()
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out("02_data_parallel.py", tmp_path / "exercises")
     env = course_env(PYTHONPATH=ROOT)  # the copy lives outside the course folder
     args = [*COMMON, "--batch-size", "8", "--log-dir", tmp_path / "runs"]
     untouched = python(exercise, [*args, "--ddp", "scratch"], tmp_path=tmp_path, env=env, timeout=300).check()

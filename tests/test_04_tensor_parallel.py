@@ -22,7 +22,7 @@ from tests.harness.blame import SECONDARY, tracebacks
 from tests.harness.launch import ROOT, course_env, finished, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
 from utils.course.lessons import load_script
-from utils.course.make_exercises import make_exercise
+from utils.course.make_exercises import handed_out, make_exercise
 from utils.distributed_utils import CourseError
 from utils.lesson_04.lab import failure
 from utils.model import ModelConfig
@@ -365,10 +365,7 @@ def test_rank0_prints_once_and_finishes(run):
 def test_untouched_exercise_stops_at_once_at_the_first_todo(tmp_path):
     """The generated exercise (not your edited copy) stops at the first TODO it meets, on every rank at once:
     the hand-written path at TODO 1 (the script checks its pieces in TODO order before training)."""
-    solution = ROOT / "solutions" / "04_tensor_parallel.py"
-    exercise = tmp_path / "exercises" / solution.name
-    exercise.parent.mkdir()
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out("04_tensor_parallel.py", tmp_path / "exercises")
     env = course_env(PYTHONPATH=ROOT)  # the copy lives outside the course folder
     for extra, todo in (
         (["--tp-impl", "dtensor"], "TODO 7: the same layout with DTensor"),

@@ -25,7 +25,7 @@ from tests.harness.launch import ROOT, course_env, finished, fresh_folder, pytho
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
 from tests.harness.todo_calls import call, prerequisites
 from utils.course.lessons import load_script
-from utils.course.make_exercises import make_exercise
+from utils.course.make_exercises import handed_out
 from utils.distributed_utils import CourseError
 from utils.lesson_05.lab import HINT, check_warmups, failure
 from utils.lesson_05.plumbing import cost_aware_partition, forward_flops_per_token, simulate_order, stage_costs
@@ -729,10 +729,7 @@ def test_a_rank_dying_mid_schedule_ends_the_job(lesson, tmp_path, needs):
 
 
 def test_untouched_exercise_stops_at_todo1(tmp_path):
-    solution = ROOT / "solutions" / "05_pipeline_parallel.py"
-    exercise = tmp_path / "exercises" / solution.name
-    exercise.parent.mkdir()
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out("05_pipeline_parallel.py", tmp_path / "exercises")
     result = python(exercise, [*COMMON, "--log-dir", tmp_path / "runs"], env=ENV, timeout=90)
     assert result.returncode != 0 and "ERROR: TODO 1: balanced partition is not done yet" in result.output, (
         result.tail()
@@ -867,9 +864,7 @@ def test_the_lab_deadlock_ends_within_seconds_naming_the_ranks(target, request, 
     """The untouched lab deadlocks on live ranks: the run must end by the 5 s timeout and name the waiting pair."""
     if target == "exercises" or request.config.getoption("--target-dir"):
         pytest.skip("a property of the lab itself, checked with the solutions")
-    solution = ROOT / "solutions" / "05_pipeline_parallel.py"
-    exercise = tmp_path / solution.name
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out("05_pipeline_parallel.py", tmp_path)
     result = torchrun(LAB, 4, [exercise], tmp_path=tmp_path, timeout=120, env=ENV).check()
     ranks = result.metrics["ranks"]
     assert all(outcome["error"] for outcome in ranks), ranks

@@ -24,7 +24,7 @@ from tests.harness.option_effects import check_shared_options, fake_wikitext
 from tests.harness.todo_calls import call, prerequisites
 from utils import planner
 from utils.course.lessons import load_script
-from utils.course.make_exercises import make_exercise
+from utils.course.make_exercises import handed_out
 from utils.distributed_utils import CourseError
 from utils.lesson_06 import lab
 from utils.lesson_06 import timeline as lesson06_timeline
@@ -456,10 +456,7 @@ def test_a_refused_layout_ends_the_script_with_one_line(lesson, tmp_path):
 
 
 def test_untouched_exercise_stops_at_todo1(tmp_path):
-    solution = ROOT / "solutions" / "06_3d_parallelism.py"
-    exercise = tmp_path / "exercises" / solution.name
-    exercise.parent.mkdir()
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out("06_3d_parallelism.py", tmp_path / "exercises")
     result = python(exercise, [*COMMON, "--log-dir", tmp_path / "runs"], env=ENV, timeout=90)
     assert result.returncode == 2 and "ERROR: TODO 1: the coordinates of a rank is not done yet" in result.output, (
         result.tail()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tests.harness.launch import ROOT, course_env, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
 from utils.course.lessons import load_script
-from utils.course.make_exercises import make_exercise
+from utils.course.make_exercises import handed_out
 from utils.lesson_07.lab import failure as lab_failure
 from utils.model import ModelConfig, build_model, count_parameters
 
@@ -732,10 +732,7 @@ def test_bad_option_is_one_line(lesson, tmp_path):
 
 def test_untouched_exercise_stops_at_todo1(tmp_path):
     """The generated exercise (not your edited copy) stops at its first backward, naming TODO 1."""
-    solution = ROOT / "solutions" / "07_communication_efficient.py"
-    exercise = tmp_path / "exercises" / solution.name
-    exercise.parent.mkdir()
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out("07_communication_efficient.py", tmp_path / "exercises")
     env = course_env(PYTHONPATH=ROOT)  # the copy lives outside the course folder
     args = [*COMMON, "--batch-size", "4", "--log-dir", tmp_path / "runs"]
     result = torchrun(exercise, 2, args, timeout=90, env=env)
@@ -768,9 +765,7 @@ def test_the_lab_drift_is_silent_and_named_per_rank(target, request, tmp_path):
     per rank and names the positions as the cause."""
     if target == "exercises" or request.config.getoption("--target-dir"):
         pytest.skip("a property of the lab itself, checked with the solutions")
-    solution = ROOT / "solutions" / "07_communication_efficient.py"
-    exercise = tmp_path / solution.name
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out("07_communication_efficient.py", tmp_path)
     env = course_env(PYTHONPATH=ROOT)
     result = torchrun(LAB, LAB_RANKS, [exercise], tmp_path=tmp_path, timeout=120, env=env).check()
     ranks = result.metrics["ranks"]

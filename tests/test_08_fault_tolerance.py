@@ -34,7 +34,7 @@ from tests.harness import launch
 from tests.harness.launch import ROOT, Run, _run, course_env, finished, python
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed
 from utils.course.lessons import load_script
-from utils.course.make_exercises import make_exercise
+from utils.course.make_exercises import handed_out
 from utils.course.notebook import kill_tree
 from utils.lesson_08.lab import failure as lab_failure
 from utils.model import ModelConfig, build_model
@@ -854,9 +854,7 @@ def test_the_lab_save_hang_ends_within_seconds_naming_who_waits_for_whom(target,
     test's), and the verdict names who waited, in which call, for whom."""
     if target == "exercises" or request.config.getoption("--target-dir"):
         pytest.skip("a property of the lab itself, checked with the solutions")
-    solution = ROOT / "solutions" / "08_fault_tolerance.py"
-    exercise = tmp_path / solution.name
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out("08_fault_tolerance.py", tmp_path)
     result = torchrun(LAB, LAB_RANKS, [exercise], folder=tmp_path, timeout=120).check()
     ranks = result.metrics["ranks"]
     assert ranks[0]["error"] and not ranks[1]["error"], ranks

@@ -27,7 +27,7 @@ from tests.harness.launch import ROOT, course_env, finished, fresh_folder, pytho
 from tests.harness.option_effects import check_shared_options, fake_wikitext
 from tests.harness.todo_calls import call, prerequisites
 from utils.course.lessons import load_script
-from utils.course.make_exercises import make_exercise
+from utils.course.make_exercises import handed_out
 from utils.distributed_utils import CourseError
 from utils.lesson_09.lab import failure as lab_failure
 from utils.lesson_09.options import CPU_ATTEMPT
@@ -958,10 +958,7 @@ def test_refused_before_any_rank_waits(script):
 
 
 def test_untouched_exercise_stops_at_todo1(tmp_path):
-    solution = ROOT / "solutions" / SCRIPT_NAME
-    exercise = tmp_path / "exercises" / solution.name
-    exercise.parent.mkdir()
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out(SCRIPT_NAME, tmp_path / "exercises")
     result = python(exercise, [*COMMON, "--log-dir", tmp_path / "runs"], env=ENV, timeout=90)
     assert result.returncode == 2 and "ERROR: TODO 1: the split of the sequence is not done yet" in result.output, (
         result.tail()
@@ -1264,9 +1261,7 @@ def test_the_lab_hang_ends_within_seconds_naming_who_waits_for_whom(target, requ
     names, per rank, the call it waits in and the rank it waits for."""
     if target == "exercises" or request.config.getoption("--target-dir"):
         pytest.skip("a property of the lab itself, checked with the solutions")
-    solution = ROOT / "solutions" / SCRIPT_NAME
-    exercise = tmp_path / SCRIPT_NAME
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out(SCRIPT_NAME, tmp_path)
     result = torchrun(LAB, LAB_RANKS, [exercise], tmp_path=tmp_path, timeout=120, env=ENV).check()
     ranks = result.metrics["ranks"]
     assert all(outcome["error"] for outcome in ranks), ranks

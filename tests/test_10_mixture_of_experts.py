@@ -24,7 +24,7 @@ from tests.harness.launch import ROOT, course_env, finished, fresh_folder, pytho
 from tests.harness.option_effects import fake_wikitext, passed
 from tests.harness.todo_calls import call, prerequisites
 from utils.course.lessons import load_script
-from utils.course.make_exercises import make_exercise
+from utils.course.make_exercises import handed_out
 from utils.distributed_utils import CourseError
 from utils.lesson_10 import bias_balancing
 from utils.lesson_10.lab import failure as lab_failure
@@ -500,10 +500,7 @@ def test_capacity_factor_is_refused_without_padded_dispatch(lesson, tmp_path):
 
 
 def test_untouched_exercise_stops_at_todo1(tmp_path):
-    solution = ROOT / "solutions" / "10_mixture_of_experts.py"
-    exercise = tmp_path / "exercises" / solution.name
-    exercise.parent.mkdir()
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out("10_mixture_of_experts.py", tmp_path / "exercises")
     result = python(exercise, [*COMMON, "--log-dir", tmp_path / "runs"], env=ENV, timeout=90)
     assert result.returncode == 2 and "ERROR: TODO 1: the router" in result.output, result.tail()
 
@@ -554,9 +551,7 @@ def test_the_lab_stops_buffers_that_do_not_match_within_seconds_naming_the_pairs
     in which gloo would abort a rank, and names which rank would send how many rows to whom."""
     if target == "exercises" or request.config.getoption("--target-dir"):
         pytest.skip("a property of the lab itself, checked with the solutions")
-    solution = ROOT / "solutions" / "10_mixture_of_experts.py"
-    exercise = tmp_path / solution.name
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out("10_mixture_of_experts.py", tmp_path)
     result = torchrun(LAB, LAB_RANKS, [exercise], tmp_path=tmp_path, timeout=120, env=ENV).check()
     ranks = result.metrics["ranks"]
     assert [[call["capacity"] for call in rank["calls"]] for rank in ranks] == [[4, 10], [6, 8], [3, 4]], ranks

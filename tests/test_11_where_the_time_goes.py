@@ -21,7 +21,7 @@ from tests.harness.launch import ROOT, course_env, finished, fresh_folder, pytho
 from tests.harness.option_effects import check_shared_options, fake_wikitext
 from tests.harness.todo_calls import call, prerequisites
 from utils.course.lessons import load_script
-from utils.course.make_exercises import make_exercise
+from utils.course.make_exercises import handed_out
 from utils.lesson_11.profiling import read_events, trace_path, training_thread
 
 ENV = course_env(PYTHONPATH=ROOT, COURSE_NO_PROGRESS=1)
@@ -439,10 +439,7 @@ def test_refuses_what_cannot_run_in_one_line(lesson, argv, words, capsys, tmp_pa
 
 
 def test_untouched_exercise_stops_at_todo1(tmp_path):
-    solution = ROOT / "solutions" / "11_where_the_time_goes.py"
-    exercise = tmp_path / "exercises" / solution.name
-    exercise.parent.mkdir()
-    exercise.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    exercise = handed_out("11_where_the_time_goes.py", tmp_path / "exercises")
     args = [*COMMON, "--log-dir", tmp_path / "runs", "--profile", tmp_path / "traces"]
     result = python(exercise, args, env=ENV, timeout=90)
     assert result.returncode == 2 and "ERROR: TODO 1: the kind of an event" in result.output, result.tail()

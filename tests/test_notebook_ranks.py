@@ -95,7 +95,7 @@ def test_stop_ranks_command_cleans_up_after_a_killed_kernel():
     import subprocess
     import sys
 
-    from tests.harness.launch import ROOT, course_env
+    from tests.harness.launch import course_env
 
     env = course_env()
     started = subprocess.run(
@@ -122,11 +122,9 @@ def test_stop_ranks_command_cleans_up_after_a_killed_kernel():
 def test_lab_ranks_use_gloo_even_with_gpus_grade_each_case_and_recover(tmp_path):
     """start_ranks(backend="gloo") hides the GPUs from the ranks (under NCCL a collective some ranks skip would
     return at once and the watchdog would kill the rank); run_lab grades a case and leaves a fresh group."""
-    from utils.course.make_exercises import make_exercise
+    from utils.course.make_exercises import handed_out
 
-    solution = ROOT / "solutions" / "01_collectives.py"
-    untouched = tmp_path / solution.name  # the exercise as generated, whatever the learner did to theirs
-    untouched.write_text(make_exercise(solution.read_text(), solution.name)[0])
+    untouched = handed_out("01_collectives.py", tmp_path)  # as generated, whatever the learner did to theirs
     ranks = start_ranks(3, timeout_s=5, debug="DETAIL", backend="gloo")
     try:
         assert ranks.pull_expression("(dist.get_backend(), device.type)") == [("gloo", "cpu")] * 3

@@ -153,6 +153,15 @@ def make_exercise(solution_text: str, name: str, done=frozenset()) -> tuple[str,
     return GENERATED_NOTE.format(lesson=name[:2], name=name) + body + "\n", todos
 
 
+def handed_out(name: str, folder: Path) -> Path:
+    """The exercise `name` (e.g. "07_communication_efficient.py") as handed out, generated afresh from its solution
+    and written into `folder` (made if missing), whatever a learner did to theirs: its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    exercise = folder / name
+    exercise.write_text(make_exercise((ROOT / "solutions" / name).read_text(), name)[0])
+    return exercise
+
+
 def expected_exercises(root: Path = ROOT, lesson: str = "[0-9][0-9]") -> dict[Path, str]:
     """Map each exercise path (of one lesson, e.g. lesson="03", or all) to the text its solution generates."""
     return {
