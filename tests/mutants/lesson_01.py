@@ -102,7 +102,7 @@ MUTANTS = [
         what="max() of an empty slice raises on the last rank (the lab's bug)",
         find="local = mine.max() if mine.numel() else",
         replace="local = mine.max() if True else",
-        shows=("raised", "slice of the values is empty"),
+        shows=("raised RuntimeError at ", "01_collectives.py:", "(`local = mine.max()", "slice of the values is empty"),
     ),
     Mutant(
         todo=5,

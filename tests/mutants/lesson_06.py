@@ -192,7 +192,7 @@ MUTANTS = [
            shows=("only the first stage adds",)),
     Mutant(todo=8, what="squares a DTensor gradient without to_local(): a DTensor added to a tensor",
            find=INDENTED_LOCAL_ADD, replace=INDENTED_LOCAL_ADD.replace(LOCAL, "local = p.grad"),
-           shows=("raised",)),
+           shows=("raised", "06_3d_parallelism.py:")),
     Mutant(todo=8, what="the pieces' squares stacked: torch.stack([]) raises on a rank that holds only copies",
            find=NORM_BODY,
            replace="    parts = []\n    for p in stage.parameters():\n"

@@ -208,6 +208,13 @@ MUTANTS = [
                    "    dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=group)\n"
                    "    return capacity\n",
            shows=("tensor), not an int",)),
+    Mutant(todo=6, what="the count all-reduced as a Python int (a collective takes a tensor): it raises",
+           find=LARGEST, replace="    dist.all_reduce(n_tokens, op=dist.ReduceOp.MAX, group=group)\n"
+                                 "    largest = n_tokens\n",
+           shows=("shared_capacity raised", "10_mixture_of_experts.py:", "(`dist.all_reduce(n_tokens")),
+    Mutant(todo=6, what="a tensor made with an argument torch.tensor does not take: it raises before any collective",
+           find=LARGEST, replace="    largest = torch.tensor(n_tokens, device=device, group=group)\n",
+           shows=("shared_capacity raised TypeError", "10_mixture_of_experts.py:")),
     # Answers fitted to the first call: its largest count is rank 1's and its factor 1; the second call's are not.
     Mutant(todo=6, what="the first call's answer typed in: no collective, the same number in every call",
            find=LARGEST, replace="    return 6\n",

@@ -355,13 +355,14 @@ def call_causes(record: dict, call: int, outcomes: list[dict]) -> list[tuple[str
 def causes(record: dict) -> list[str]:
     """Why the lab failed, in the learner's terms, when the ranks' outcomes are what a known mistake gives (each kind
     of mistake once, from the first call that shows it)."""
-    found, kinds, ran = [], set(), []
+    found, kinds, ran, failed = [], set(), [], False
     for call in range(len(record["calls"])):
         outcomes = outcomes_of(record, call)
         if outcomes is None:
             break
         ran.append(outcomes)
         if any(outcome["capacity"] is None for outcome in outcomes):
+            failed = True  # a rank raised or waited: its own line says so, and what it recorded may be cut short
             stuck = [rank for rank, outcome in enumerate(outcomes) if outcome["error"] == STUCK]
             if stuck and len(stuck) < len(outcomes):
                 found.append(f"ranks {stuck} waited in a collective that rank "
@@ -372,7 +373,7 @@ def causes(record: dict) -> list[str]:
         found += [cause for kind, cause in this_call if kind not in kinds]
         kinds |= {kind for kind, _ in this_call}
     recorded = [c for outcomes in ran for outcome in outcomes for c in outcome["collectives"]]
-    if ran and not recorded and not kinds & {"own", "mismatch"}:
+    if ran and not recorded and not failed and not kinds & {"own", "mismatch"}:
         found.append("shared_capacity called no collective: a rank knows only its own count, and the capacity every "
                      "rank uses must come from every rank's count, through a collective over `group`")  # fmt: skip
     unnamed = [name for name, named in recorded if not named]
