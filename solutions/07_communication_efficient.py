@@ -56,7 +56,7 @@ BITS = [2, 4, 8, 16, 32]  # codes travel as bytes: 4 two-bit or 2 four-bit codes
 
 
 # --------------------------------------------------------------------------------------------------
-# Counting bytes: every method's collectives pass through torch.distributed.all_reduce / all_gather_single
+# Counting bytes: every method's collectives pass through torch.distributed's all-reduce or an all-gather
 # --------------------------------------------------------------------------------------------------
 
 
@@ -71,12 +71,19 @@ def ring_bytes(collective: str, nbytes: int, group_size: int) -> float:
     return 2 * (n - 1) / n * nbytes if collective == "all_reduce" else (n - 1) * nbytes
 
 
+# The functions counted, and the ring collective each is. A hook may gather under any of three names:
+# all_gather_into_tensor is torch < 2.13's name, deprecated in 2.13, where it no longer goes through
+# dist.all_gather_single, so each name is wrapped.
+COUNTED = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+           "all_gather": "all_gather"}  # fmt: skip
+
+
 class WireTap:
     """Counts what this rank hands to collectives while `counting()` is on: the same count for every method.
 
     The built-in hooks (fp16, PowerSGD, post-local SGD) and PeriodicModelAverager call
-    torch.distributed.all_reduce; our own hooks call all_reduce and all_gather_single. install() wraps those
-    two functions, so the hooks we wrote and the hooks we did not are measured by the same code.
+    torch.distributed.all_reduce; our own hooks call all_reduce and an all-gather. install() wraps those
+    functions (COUNTED), so the hooks we wrote and the hooks we did not are measured by the same code.
     """
 
     def __init__(self):
@@ -86,21 +93,22 @@ class WireTap:
         self.rounds = 0  # ring rounds since the last take(): each pays the link's latency (alpha) once
 
     def install(self):
-        all_reduce, all_gather_single = dist.all_reduce, dist.all_gather_single
-
-        def counted_all_reduce(tensor, *args, **kwargs):
-            self._add("all_reduce", tensor, kwargs.get("group", args[1] if len(args) > 1 else None))
-            return all_reduce(tensor, *args, **kwargs)
-
-        def counted_all_gather_single(output, tensor, *args, **kwargs):
-            self._add("all_gather", tensor, kwargs.get("group", args[0] if args else None))
-            return all_gather_single(output, tensor, *args, **kwargs)
-
-        dist.all_reduce, dist.all_gather_single = counted_all_reduce, counted_all_gather_single
-        self._originals = (all_reduce, all_gather_single)
+        self._originals = {name: getattr(dist, name) for name in COUNTED}
+        for name, original in self._originals.items():
+            setattr(dist, name, self._counted(COUNTED[name], original))
 
     def uninstall(self):
-        dist.all_reduce, dist.all_gather_single = self._originals
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+    def _counted(self, collective, original):
+        def call(*args, **kwargs):
+            # all_reduce(tensor, op, group, ...); the all-gathers (output, tensor, group, ...): the group comes third
+            tensor = args[0] if collective == "all_reduce" else args[1]
+            self._add(collective, tensor, kwargs.get("group", args[2] if len(args) > 2 else None))
+            return original(*args, **kwargs)
+
+        return call
 
     def _add(self, collective, tensor, group):
         if self.active:

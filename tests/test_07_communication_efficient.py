@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from tests.harness.launch import ROOT, course_env, fresh_folder, python, torchrun
 from tests.harness.option_effects import check_shared_options, fake_wikitext, passed, written_out_training
+from tests.workers.lesson07_hooks import GATHERS
 from utils.course.lessons import load_script
 from utils.course.make_exercises import handed_out
 from utils.lesson_07.lab import failure as lab_failure
@@ -300,7 +301,8 @@ class FailedWork:
 
 
 def check_failure_raises(monkeypatch, todo, hook, state):
-    monkeypatch.setattr(dist, "all_gather_single", lambda *args, **kwargs: FailedWork())
+    for name in GATHERS:  # whichever of an all-gather's names the hook calls
+        monkeypatch.setattr(dist, name, lambda *args, **kwargs: FailedWork())
     advice = (
         "Wait on the collectives' Futures before decoding (e.g. torch.futures.wait_all): their errors must reach DDP"
     )
@@ -454,6 +456,13 @@ def biased_roundings(scaled: torch.Tensor, levels: int) -> dict[str, torch.Tenso
 def test_todo3_stochastic_rounding_is_unbiased(lesson07):
     """The mean of many quantizations of one tensor tends to the tensor: within 6 standard errors, per entry."""
     x = torch.randn(2000, generator=torch.Generator().manual_seed(0))
+    for bits in (2, 4, 8, 16):  # the codes' type and range at every width the hook sends
+        codes, levels = lesson07.quantize(x, bits, torch.Generator().manual_seed(5))[0], 2 ** (bits - 1) - 1
+        dtype = torch.int8 if bits <= 8 else torch.int16
+        assert codes.dtype == dtype, f"TODO 3: {bits}-bit codes travel as {dtype}, not {codes.dtype}"
+        assert int(codes.abs().max()) <= levels, (
+            f"TODO 3: {bits}-bit codes lie in [-{levels}, {levels}], got up to {int(codes.abs().max())}"
+        )
     generator, draws = torch.Generator().manual_seed(1), 1000
     for bits in (2, 8):
         again = lesson07.quantize(x, bits, torch.Generator().manual_seed(5))[0]
@@ -468,10 +477,6 @@ def test_todo3_stochastic_rounding_is_unbiased(lesson07):
             )
         codes, scale = lesson07.quantize(x, bits, generator)
         levels = 2 ** (bits - 1) - 1
-        assert codes.dtype == torch.int8, f"TODO 3: {bits}-bit codes travel as int8, not {codes.dtype}"
-        assert int(codes.abs().max()) <= levels, (
-            f"TODO 3: {bits}-bit codes lie in [-{levels}, {levels}], got up to {int(codes.abs().max())}"
-        )
         top = float(x.abs().max())
         assert float(scale) == pytest.approx(top / levels, rel=1e-6), (
             f"TODO 3: {bits} bits: scale {float(scale):.4g}, want max|x| / L = {top / levels:.4g} (L = {levels})"
@@ -605,6 +610,11 @@ def test_todo5_local_sgd_averages_every_h_steps(run):
     assert metrics["bytes_sent"] == expected, (
         f"TODO 5: --local-steps 3 all-reduces the {4 * P:,} bytes of parameters at steps 3 and 6 only "
         f"(1/3 of DDP's bytes): {metrics['bytes_sent']}"
+    )
+    rounds = [2 * (2 - 1) if avg else 0 for avg in averaging]  # one all-reduce of every parameter: 2(n-1) rounds
+    assert metrics["ring_rounds"] == rounds, (
+        f"TODO 5: the parameters are averaged in one collective, not one per tensor (each pays the link's latency): "
+        f"ring rounds per step {metrics['ring_rounds']}, want {rounds}"
     )
     spread = metrics["rank_spread"]
     assert all(s == 0.0 for s, avg in zip(spread, averaging) if avg), (

@@ -160,6 +160,13 @@ MUTANTS = [
         replace="    low = scaled.trunc()\n",
         shows=("truncated towards zero",),
     ),
+    Mutant(
+        todo=3,
+        what="int8 codes at every width: 16-bit codes do not fit in a byte",
+        find="    codes = (low + up).clamp_(-levels, levels).to(torch.int8 if bits <= 8 else torch.int16)",
+        replace="    codes = (low + up).clamp_(-levels, levels).to(torch.int8)",
+        shows=("16-bit codes travel as torch.int16",),
+    ),
     # TODO 4: the quantized exchange
     Mutant(
         todo=4,
@@ -203,6 +210,15 @@ MUTANTS = [
         find="        vector_to_parameters(flat.div_(dist.get_world_size(group)), params)",
         replace="        flat.div_(dist.get_world_size(group))",
         shows=("never went back",),
+    ),
+    Mutant(
+        todo=5,
+        what="one all-reduce per parameter tensor: the same bytes, each tensor paying the link's latency",
+        find="        flat = parameters_to_vector(params)\n        dist.all_reduce(flat, group=group)\n"
+        "        vector_to_parameters(flat.div_(dist.get_world_size(group)), params)",
+        replace="        for p in params:\n            dist.all_reduce(p, group=group)\n"
+        "            p.div_(dist.get_world_size(group))",
+        shows=("one collective, not one per tensor",),
     ),
     # TODO 6: the lab, random-k positions
     Mutant(
@@ -262,6 +278,20 @@ VARIANTS = [  # correct answers written another way: each TODO's tests must acce
         ),
     ),
     # TODO 2
+    Mutant(
+        todo=2,
+        what="all-gathers under torch < 2.13's name, all_gather_into_tensor (deprecated in 2.13)",
+        find=(
+            "        dist.all_gather_single(all_values, values, group=state.group, async_op=True).get_future(),\n"
+            "        dist.all_gather_single(all_indices, indices.int(), group=state.group, "
+            "async_op=True).get_future(),\n"
+        ),
+        replace=(
+            "        dist.all_gather_into_tensor(all_values, values, group=state.group, async_op=True).get_future(),\n"
+            "        dist.all_gather_into_tensor(all_indices, indices.int(), state.group, "
+            "async_op=True).get_future(),\n"
+        ),
+    ),
     Mutant(
         todo=2,
         what="waits for both all-gathers in the hook (torch.futures.wait_all) and returns a completed Future",
@@ -437,5 +467,33 @@ VARIANTS = [  # correct answers written another way: each TODO's tests must acce
         what="multinomial without replacement from a shared generator",
         find=RANDPERM_K,
         replace="    return torch.multinomial(torch.ones(numel), k, replacement=False, generator=generator)\n",
+    ),
+    Mutant(
+        todo=4,
+        what="the list form, dist.all_gather, into one tensor per rank, then concatenated",
+        find=(
+            "    all_data = data.new_empty(n * data.numel())\n"
+            "    all_scales = scale.new_empty(n)\n"
+            "    futures = [\n"
+            "        dist.all_gather_single(all_data, data, group=state.group, async_op=True).get_future(),\n"
+            "        dist.all_gather_single(all_scales, scale.reshape(1), group=state.group, "
+            "async_op=True).get_future(),\n"
+            "    ]\n"
+            "\n"
+            "    def decode(collected):\n"
+            "        torch.futures.wait_all(collected.value())  # raises the collectives' errors\n"
+        ),
+        replace=(
+            "    datas = [data.new_empty(data.numel()) for _ in range(n)]\n"
+            "    scales = [scale.new_empty(1) for _ in range(n)]\n"
+            "    futures = [\n"
+            "        dist.all_gather(datas, data, group=state.group, async_op=True).get_future(),\n"
+            "        dist.all_gather(scales, scale.reshape(1), group=state.group, async_op=True).get_future(),\n"
+            "    ]\n"
+            "\n"
+            "    def decode(collected):\n"
+            "        torch.futures.wait_all(collected.value())  # raises the collectives' errors\n"
+            "        all_data, all_scales = torch.cat(datas), torch.cat(scales)\n"
+        ),
     ),
 ]

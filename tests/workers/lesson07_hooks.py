@@ -120,22 +120,30 @@ def check_topk_buckets(lesson, rank, n) -> dict:
     }
 
 
+GATHERS = ("all_gather_single", "all_gather_into_tensor", "all_gather")  # an all-gather's names (the lesson's COUNTED)
+
+
 def recorded_sends(hook, *args) -> tuple[list, object, str | None]:
-    """Call hook(*args) and wait for its Future, noting what it all-gathers: ([(dtype, bytes) sent], the Future's
-    value or None, the error it raised or None)."""
-    sent, real = [], dist.all_gather_single
+    """Call hook(*args) and wait for its Future, noting what it all-gathers, under any of its names: ([(dtype, bytes)
+    sent], the Future's value or None, the error it raised or None)."""
+    sent, real = [], {name: getattr(dist, name) for name in GATHERS}
 
-    def gather(output, tensor, *rest, **kwargs):
-        sent.append((str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size()))
-        return real(output, tensor, *rest, **kwargs)
+    def recording(original):
+        def gather(output, tensor, *rest, **kwargs):
+            sent.append((str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size()))
+            return original(output, tensor, *rest, **kwargs)
 
-    dist.all_gather_single = gather
+        return gather
+
+    for name, original in real.items():
+        setattr(dist, name, recording(original))
     try:
         return sent, hook(*args).wait(), None
     except Exception as error:  # noqa: BLE001 - reported with what was sent before it
         return sent, None, describe(error)
     finally:
-        dist.all_gather_single = real
+        for name, original in real.items():
+            setattr(dist, name, original)
 
 
 def check_quantize(lesson, rank, n) -> dict:

@@ -154,8 +154,8 @@ def verdict(record: dict) -> tuple[bool, list[str]]:
             passed = False
         elif rank:
             lines.append(f"rank {rank}: parameters equal rank 0's after every step (right)")
-        else:
-            lines.append(f"rank {rank}: the reference the others are compared with (right)")
+        else:  # right only if every other rank ends equal to it: known once they are all read (below)
+            lines.append(f"rank {rank}: the reference the others are compared with")
         differ = [i for i, step in enumerate(steps, 1) if not step["same_positions"]]
         if differ:
             others.append((rank, differ[0]))
@@ -165,6 +165,8 @@ def verdict(record: dict) -> tuple[bool, list[str]]:
             causes.append(f"rank 0 sent the same k positions at step {repeated[0]} as at the step before: the other "
                           "entries never train")  # fmt: skip
             passed = False
+    if passed and lines[0] == "rank 0: the reference the others are compared with":
+        lines[0] += " (right)"
     if others:
         ranks, first = ", ".join(str(rank) for rank, _ in others), min(step for _, step in others)
         causes.insert(0, f"rank{'s' * (len(others) > 1)} {ranks} picked other positions than rank 0 (from step "
