@@ -64,8 +64,8 @@ def kind_of(event: dict, thread) -> str | None:
     """One trace event -> "computation", "communication", "waiting", "data", or None (not a kind of work: metadata,
     markers, annotations that only group other events). `thread`: the id of the rank's training thread."""
     # TODO 1: the kind of an event. Complete events only. The data loader's batches are data; on a GPU, kernels
-    #   compute or (NCCL's) communicate; gloo's own threads communicate; the training thread waits inside
-    #   communication calls and computes in its other operators.
+    #   compute or (NCCL's) communicate; on other threads only gloo's own events ("gloo:...") communicate, the rest
+    #   is not counted; the training thread waits inside communication calls and computes in its other operators.
     raise NotImplementedError("TODO 1: the kind of an event")
 
 
@@ -73,7 +73,7 @@ def union(intervals) -> list[tuple[float, float]]:
     """Intervals (start, end), in any order, overlapping or nested -> the time they cover, as sorted disjoint
     intervals (two that touch become one). The time of nested operators counts once."""
     # TODO 2: the union of intervals. The time covered by any of them, as few sorted intervals as possible, none
-    #   overlapping or touching another; empty ones cover nothing.
+    #   overlapping or touching another; empty ones cover nothing. Leave the list you are given as it was.
     raise NotImplementedError("TODO 2: the union of intervals")
 
 

@@ -61,8 +61,8 @@ def kind_of(event: dict, thread) -> str | None:
     """One trace event -> "computation", "communication", "waiting", "data", or None (not a kind of work: metadata,
     markers, annotations that only group other events). `thread`: the id of the rank's training thread."""
     # TODO 1: the kind of an event. Complete events only. The data loader's batches are data; on a GPU, kernels
-    #   compute or (NCCL's) communicate; gloo's own threads communicate; the training thread waits inside
-    #   communication calls and computes in its other operators.
+    #   compute or (NCCL's) communicate; on other threads only gloo's own events ("gloo:...") communicate, the rest
+    #   is not counted; the training thread waits inside communication calls and computes in its other operators.
     # HINT 1: Which fields of an event say what it is (its name, its category "cat", its phase "ph", its thread
     #   "tid")? What does each kind look like in a real trace: open one in Perfetto, or print a few events.
     # HINT 2: In this order: not a complete event ("ph" is not "X"): None; a name starting with
@@ -93,7 +93,7 @@ def union(intervals) -> list[tuple[float, float]]:
     """Intervals (start, end), in any order, overlapping or nested -> the time they cover, as sorted disjoint
     intervals (two that touch become one). The time of nested operators counts once."""
     # TODO 2: the union of intervals. The time covered by any of them, as few sorted intervals as possible, none
-    #   overlapping or touching another; empty ones cover nothing.
+    #   overlapping or touching another; empty ones cover nothing. Leave the list you are given as it was.
     # HINT 1: If the intervals are sorted by start, when does the next one extend the last merged one, and when does
     #   it start a new one?
     # HINT 2: Sort by start; go through them, keeping a list of merged intervals: an interval that starts at or before

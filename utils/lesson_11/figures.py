@@ -48,6 +48,8 @@ def provenance(record: dict):
         f"{machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, Python {machine['python']}; "
         f"{record['date'][:10]}; load average {load['before']:.1f} before the runs, {load['after']:.1f} after"
     )
+    if "bf16_instructions" in machine:  # what bf16 autocast costs on a CPU depends on them
+        print(f"the CPU's bf16 instructions: {', '.join(machine['bf16_instructions']) or 'none'}")
     if record["loaded"]:
         print(
             "LOADED: other jobs shared the cores; these are not the machine's speed (ratios of the same round are "
@@ -73,11 +75,11 @@ def exposure_table(rows: list[dict]):
 
 def speedup_table(rows: list[dict]):
     """Each configuration: tokens/s, its ratio to the baseline of the same round (median, min-max), memory per rank."""
-    print(f"{'configuration':26s} {'tokens/s':>9s} {'x baseline':>10s} {'(min - max)':>13s} {'MB per rank':>11s}")
+    print(f"{'configuration':26s} {'tokens/s':>9s} {'x baseline':>10s} {'(min - max)':>13s} {'MiB per rank':>12s}")
     for row in rows:
         print(
             f"{row['name']:26s} {row['tokens_per_s']:9,.0f} {row['ratio']:10.2f} "
-            f"({row['ratio_min']:4.2f} - {row['ratio_max']:4.2f}) {row['memory_per_rank'] / 2**20:11.1f}"
+            f"({row['ratio_min']:4.2f} - {row['ratio_max']:4.2f}) {row['memory_per_rank'] / 2**20:12.1f}"
         )
 
 

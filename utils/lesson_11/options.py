@@ -5,7 +5,9 @@ from pathlib import Path
 from utils.training import non_negative_float, positive_int
 
 STRATEGIES = ("ddp", "fsdp", "tp", "pp")
-DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's own default
+# DDP's bucket size. Passed explicitly, as here, it sizes the first bucket too, which DDP keeps at 1 MiB when
+# bucket_cap_mb is not given: the script's default DDP may have one bucket fewer than DDP's own default.
+DEFAULT_BUCKET_CAP_MB = 25.0
 PROFILED_STEPS = 2  # steps recorded in the trace, after one skipped and one warm-up step
 SPEED_UPS = ("--autocast", "--optimizer-impl", "--checkpointing", "--compile")
 

@@ -27,6 +27,16 @@ def memory_per_rank(metrics: dict) -> int:
     return max(r["params"] + r["grads"] + r["optimizer"] + r["peak_step_bytes"] for r in metrics["per_rank"])
 
 
+def bf16_instructions() -> list[str]:
+    """The CPU's bf16 instructions (Linux's /proc/cpuinfo flags: avx512_bf16, amx_bf16), which decide what bf16
+    autocast costs on a CPU; [] where there are none or the flags cannot be read."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return sorted(flag for flag in flags.split(":", 1)[1].split() if flag in ("avx512_bf16", "amx_bf16"))
+
+
 def provenance(what: str, command: str, started_load: float, ours: int, path) -> dict:
     """Where a data file's figures came from (utils/course/measured.py): machine, load, versions, date, command."""
     import platform
@@ -38,7 +48,7 @@ def provenance(what: str, command: str, started_load: float, ours: int, path) ->
 
     after = os.getloadavg()[0]
     machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "system": platform.system(), "torch": torch.__version__,
-               "python": sys.version.split()[0]}  # fmt: skip
+               "python": sys.version.split()[0], "bf16_instructions": bf16_instructions()}  # fmt: skip
     return {
         "machine": machine,
         "what": what, "command": command, "conditions": conditions(f"{started_load:.1f}", command),

@@ -33,8 +33,8 @@ CONFIGURATIONS = {  # name: options added to the baseline (DDP, fp32, AdamW as a
 }
 # What each technique buys, and where (the table's last column: the reason, which the measurements test on a CPU).
 WHY = {
-    "bf16 autocast": "GPU: tensor cores run bf16 matmuls several times faster and activations halve; CPU: the casts "
-                     "cost more than bf16 matmuls save unless the CPU has bf16 units (AMX, AVX512-BF16)",
+    "bf16 autocast": "GPU: tensor cores run bf16 matmuls several times faster and activations halve; CPU: it "
+                     "depends on the CPU's bf16 instructions (AVX512-BF16, AMX) and which kernels use them",
     "foreach AdamW": "one operation over all parameters instead of one per parameter: fewer kernel launches (GPU) "
                      "and fewer Python calls (both)",
     "fused AdamW": "the whole update in one kernel per group: the fewest launches and passes over memory",
