@@ -8,24 +8,29 @@ KINDS = ("computation", "communication", "waiting", "data")
 COLOURS = {"computation": "#4c72b0", "communication": "#dd8452", "waiting": "#c44e52", "data": "#55a868"}
 
 
-def step_intervals(events: list[dict], kind_of, union, step: int = -1) -> tuple[dict, float]:
-    """{kind: union of its intervals within one recorded step, in ms from the step's start}, and the step's length."""
+def step_intervals(events: list[dict], kind_of, union, without, step: int = -1) -> tuple[dict, float]:
+    """{kind: its time within one recorded step, as intervals in ms from the step's start}, and the step's length.
+    The training thread's kinds split as `breakdown` splits them: a wait inside an operator is waiting, not also
+    computation (nor data)."""
     thread, (start, end) = training_thread(events), step_spans(events)[step]
     found = {kind: [] for kind in KINDS}
     for event in events:
         kind = kind_of(event, thread)
         if kind is not None and event["ts"] < end and event["ts"] + event["dur"] > start:
             found[kind].append((max(event["ts"], start), min(event["ts"] + event["dur"], end)))
-    ms = {kind: [((s - start) / 1e3, (e - start) / 1e3) for s, e in union(found[kind])] for kind in KINDS}
+    merged = {kind: union(found[kind]) for kind in KINDS}
+    merged["data"] = without(merged["data"], merged["waiting"])
+    merged["computation"] = without(merged["computation"], merged["waiting"] + merged["data"])
+    ms = {kind: [((s - start) / 1e3, (e - start) / 1e3) for s, e in merged[kind]] for kind in KINDS}
     return ms, (end - start) / 1e3
 
 
-def timeline(traces: list[list[dict]], kind_of, union, title: str):
+def timeline(traces: list[list[dict]], kind_of, union, without, title: str):
     """One row per kind for every rank: the last recorded step, each kind's intervals as bars."""
     fig, ax = plt.subplots(figsize=(11, 0.9 + 1.3 * len(traces)))
     labels, longest = [], 0.0
     for rank, events in enumerate(traces):
-        intervals, length = step_intervals(events, kind_of, union)
+        intervals, length = step_intervals(events, kind_of, union, without)
         longest = max(longest, length)
         for row, kind in enumerate(KINDS):
             y = (len(traces) - 1 - rank) * (len(KINDS) + 1) + (len(KINDS) - 1 - row)
