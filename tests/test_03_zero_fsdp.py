@@ -654,12 +654,12 @@ def test_todo8_output_tensors_finds_every_tensor_however_nested(lesson):
         expected = tensor_paths(shape)
         found = script.output_tensors(shape)
         ids = [id(t) for t in found]
-        if ids == [id(t) for _, t in expected]:
+        if sorted(ids) == sorted(id(t) for _, t in expected):  # in any order: Zero3 hooks each tensor once
             continue
         missed = next((path for path, t in expected if id(t) not in ids), None)
         known = (why for why, values in DICT_MISTAKES.items() if ids == [id(t) for t in searched(shape, values)])
         cause = next(known, "each tensor must be found once, inside dicts, tuples and lists at any depth; nothing else")
-        first = f"the first missed is {missed}" if missed else "none missed, but some found twice or out of order"
+        first = f"the first missed is {missed}" if missed else "none missed, but some found twice, or something else"
         raise AssertionError(
             f"TODO 8: output_tensors found {len(found)} of the {len(expected)} tensors in a {type(shape).__name__} "
             f"output; {first}: {cause}"

@@ -294,4 +294,17 @@ VARIANTS = [  # correct answers written another way: every TODO's tests must acc
     items = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else []
     return [tensor for item in items for tensor in output_tensors(item)]
 """),
+    Mutant(todo=8, what="a stack instead of recursion: every tensor once, in another order (Zero3 hooks each alike)",
+           find=OUTPUT_TENSORS,
+           replace="""    found, stack = [], [output]
+    while stack:
+        item = stack.pop()
+        if torch.is_tensor(item):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+    return found
+"""),
 ]  # fmt: skip
