@@ -75,7 +75,7 @@ def test_every_lesson_has_its_notebook_sbatch_and_todos_cited_by_number():
         todos = {t.number for t in make_exercise(solution.read_text(), solution.name)[1]}
         cited = {int(n) for n in re.findall(r"TODO (\d+)", notebooks[0].read_text())}
         assert cited <= todos, f"notebook {notebooks[0].name} cites TODOs {sorted(cited - todos)} that do not exist"
-        assert re.search(r"line \d+", notebooks[0].read_text()) is None, "notebooks cite TODO numbers, not lines"
+        assert re.search(r"\bline \d+", notebooks[0].read_text()) is None, "notebooks cite TODO numbers, not lines"
 
 
 UNTOUCHED = [p for p, text in expected_exercises().items() if p.exists() and p.read_text() == text]
