@@ -25,7 +25,7 @@ FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
 RANK_PREFIX = re.compile(r"^\[(?:rank ?)?(\d+)\]: ?|^\[default(\d+)\]:")
 BLAME_LINE = re.compile(r"TODO (\d+)'s code raised at (\S+?):(\d+)(?: \(`.*?`\))?: (.+)")
 # A live lab rank's error (utils/course/lab.py's where_raised): "raised ValueError at exercises/07_...py:460 ..."
-LAB_LINE = re.compile(r"raised (\w+) at (\S+?\.py):(\d+)(?: \(`(.*?)`\))?: (.+)")
+LAB_LINE = re.compile(r"raised (\w+) at (\S+?\.py):(\d+)(?: \(`.*?`\))?: (.+)")
 # A rank that failed because another one died: not where the mistake is (the first error printed is the cause).
 SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "DistBackendError")
 
@@ -153,11 +153,10 @@ def blame_lab(text: str, lesson: str, folder: Path) -> Blame | None:
     counts (a lab also runs the solution's code, whose TODOs are not the learner's)."""
     for match in LAB_LINE.finditer(text):
         path = (ROOT / match.group(2)).resolve()  # a path relative to the course root, or an absolute one
-        if path.parent != Path(folder).resolve() or not path.name.startswith(f"{lesson}_"):
-            continue
-        if (todo := todo_at(path, int(match.group(3)))) is not None:
-            error = f"{match.group(1)}: {match.group(5).split('. Hint: ')[0]}"
-            return Blame(todo, path, int(match.group(3)), error, match.group(4) or "")
+        if path.name.startswith(f"{lesson}_"):
+            error = f"{match.group(1)}: {match.group(4).split('. Hint: ')[0]}"
+            if blame := _blame_frames([(str(path), int(match.group(3)))], error, {Path(folder).resolve()}):
+                return blame
     return None
 
 
